@@ -1,0 +1,93 @@
+"""`harness-train`: a thin shell over the Python API. Imports stay inside the commands, so `--help` is fast
+and the proxy's light environment (no torch) can run the commands it needs."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+
+def _model_tiny(args: argparse.Namespace) -> int:
+    from harness_trainer.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                         intermediate=args.intermediate, vocab=args.vocab, seed=args.seed)
+    out = ensure_tiny_model(spec, args.out)
+    print(out)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from harness_trainer.engine import EngineConfig, VLLMServer
+
+    cfg = EngineConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                       port=args.port, max_model_len=args.max_model_len, startup_timeout_s=args.startup_timeout,
+                       log_path=Path(args.log) if args.log else None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM -> finally: stop the engine's group
+    with VLLMServer(cfg) as server:
+        print(f"vLLM serving {args.model} as '{cfg.served_model_name}' at {server.url}/v1 "
+              f"(log: {cfg.log_path}); Ctrl-C stops it", flush=True)
+        try:
+            server.process.wait()
+        except KeyboardInterrupt:
+            pass
+        if server.process and server.process.returncode not in (None, 0):
+            print(f"vLLM exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="harness-train",
+        description="Reinforcement learning for coding agents you do not own.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    model = sub.add_parser("model", help="build the embedded default model")
+    model_sub = model.add_subparsers(dest="kind", metavar="KIND", required=True)
+    tiny = model_sub.add_parser(
+        "tiny", help="a tiny random Qwen2 with a locally trained tokenizer (cached by its parameters)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tiny.add_argument("--out", default=None, help="directory to write (default: print the cached build's path)")
+    tiny.add_argument("--layers", type=int, default=2, help="transformer layers")
+    tiny.add_argument("--hidden", type=int, default=128, help="hidden size")
+    tiny.add_argument("--heads", type=int, default=2, help="attention heads")
+    tiny.add_argument("--kv-heads", type=int, default=1, help="key/value heads")
+    tiny.add_argument("--intermediate", type=int, default=256, help="MLP width")
+    tiny.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size (before added tokens)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    tiny.set_defaults(func=_model_tiny)
+
+    serve = sub.add_parser("serve", help="run a vLLM server configured for capture and weight sync",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--model", required=True, help="Hugging Face model directory")
+    serve.add_argument("--served-model-name", default="tiny", help="model id the server answers to")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--max-model-len", type=int, default=32768, help="context length")
+    serve.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    serve.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from harness_trainer.engine import EngineError
+
+    try:
+        return args.func(args)
+    except (EngineError, FileExistsError) as exc:
+        print(f"harness-train: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Jobs: launch a harness-train run on Hugging Face Jobs (issue 7)."""

@@ -1,0 +1,1 @@
+"""Capture proxy: sits between an unmodified agent and vLLM and records exact tokens per model call (issue 3)."""

@@ -1,0 +1,67 @@
+"""Traces are OpenEnv's `TrainingTrace` (schema v1), stored one per line as JSON lines.
+
+There is deliberately no schema of our own: what the proxy exports and the trainer reads is validated by
+OpenEnv's pydantic model, so a trace from this project is a trace for any OpenEnv consumer and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from openenv.core.harness.training import TrainingTrace, TrainingTurn
+from pydantic import ValidationError
+
+__all__ = ["TrainingTrace", "TrainingTurn", "TraceFileError", "iter_traces", "read_traces", "write_traces",
+           "append_trace"]
+
+
+class TraceFileError(ValueError):
+    """A trace file line is not a valid TrainingTrace; names the file and line."""
+
+
+def iter_traces(path: str | Path) -> Iterator[TrainingTrace]:
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield TrainingTrace.model_validate_json(line)
+            except ValidationError as exc:
+                raise TraceFileError(
+                    f"{path}:{lineno} is not a valid OpenEnv TrainingTrace (schema v1): "
+                    f"{exc.errors()[0]['msg']} at {'.'.join(map(str, exc.errors()[0]['loc'])) or 'top level'}. "
+                    "Re-export it from the capture proxy or fix that line.") from None
+
+
+def read_traces(path: str | Path) -> list[TrainingTrace]:
+    return list(iter_traces(path))
+
+
+def _line(trace: TrainingTrace) -> str:
+    # Validate on the way out too: a model built with model_construct() could carry anything.
+    return json.dumps(TrainingTrace.model_validate(trace.model_dump()).model_dump(mode="json"),
+                      separators=(",", ":")) + "\n"
+
+
+def write_traces(path: str | Path, traces: Iterable[TrainingTrace]) -> None:
+    """Write all traces atomically (a temp file renamed into place): a crash leaves the old file intact."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for trace in traces:
+            f.write(_line(trace))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def append_trace(path: str | Path, trace: TrainingTrace) -> None:
+    """Append one trace and fsync, so a finished trace survives a crash that follows."""
+    with Path(path).open("a", encoding="utf-8") as f:
+        f.write(_line(trace))
+        f.flush()
+        os.fsync(f.fileno())

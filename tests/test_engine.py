@@ -1,0 +1,153 @@
+"""The real vLLM server on the tiny model: token ids agree with the project tokenizer, completions carry
+aligned ids and logprobs (JSON and streamed), weight reload moves vLLM exactly to the new weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+from harness_trainer.engine import EngineConfig, EngineError, VLLMServer, teacher_forced_logprobs
+from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
+
+TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run a bash command and return its output.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+MESSAGES = [
+    {"role": "system", "content": "You are a coding agent. Café, naïve — unicode on purpose."},
+    {"role": "user", "content": "List the files, then say done."},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"ls\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.py\nb.py\n"},
+]
+CAPTURE = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
+
+
+def chat(engine, **extra):
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 16, "temperature": 1.0,
+            "seed": 7, **CAPTURE, **extra}
+    return httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120)
+
+
+def expected_prompt_ids(tokenizer):
+    return tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+
+
+def test_tokenize_route_agrees_with_project_tokenizer(engine, tokenizer):
+    response = httpx.post(f"{engine.url}/tokenize", timeout=60, json={
+        "model": "tiny", "messages": MESSAGES, "tools": TOOLS, "add_generation_prompt": True})
+    response.raise_for_status()
+    assert response.json()["tokens"] == expected_prompt_ids(tokenizer)
+
+
+def test_completion_returns_aligned_ids_and_logprobs(engine, tokenizer):
+    response = chat(engine)
+    response.raise_for_status()
+    body = response.json()
+    choice = body["choices"][0]
+    assert body["prompt_token_ids"] == expected_prompt_ids(tokenizer)
+    ids, content = choice["token_ids"], choice["logprobs"]["content"]
+    assert len(ids) == len(content) > 0
+    assert [entry["token"] for entry in content] == [f"token_id:{i}" for i in ids]
+    assert all(entry["logprob"] <= 0 for entry in content)
+
+
+def test_streamed_completion_returns_aligned_ids_and_logprobs(engine, tokenizer):
+    prompt_ids, ids, logprobs = None, [], []
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 16, "seed": 7,
+            **CAPTURE, **body}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            for choice in chunk["choices"]:
+                ids += choice.get("token_ids") or []
+                logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    assert prompt_ids == expected_prompt_ids(tokenizer)
+    assert len(ids) == len(logprobs) > 0
+
+
+@pytest.fixture
+def perturbed_model(engine, tiny_model_dir):
+    """Yields (model with perturbed weights, saved dir); restores the original weights afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = weight_version(engine)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    directory = save_weights(model, ram_dir())
+    yield model, directory
+    reload_weights(engine, tiny_model_dir, before or "0")
+
+
+def test_reload_weights_moves_vllm_to_new_weights(engine, tokenizer, perturbed_model):
+    model, directory = perturbed_model
+    ids = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=True, return_dict=False)[:200]
+    old = teacher_forced_logprobs(engine, ids)
+    reload_weights(engine, directory, version="step-1")
+    new = teacher_forced_logprobs(engine, ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(new, dtype=torch.float64), expected, atol=1e-4)
+    assert max(abs(a - b) for a, b in zip(old, new)) > 1e-2
+    assert weight_version(engine) == "step-1"
+
+
+def test_reload_of_missing_checkpoint_raises_clear_error(engine, tmp_path):
+    with pytest.raises(WeightSyncError, match="reload_weights"):
+        reload_weights(engine, tmp_path / "nothing-here", version="x", timeout_s=60)
+
+
+def _assert_group_gone(pgid):
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def test_wrong_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(EngineError, match="does not exist"):
+        VLLMServer(EngineConfig(model=str(tmp_path / "missing"))).start()
+    (tmp_path / "notamodel").mkdir()
+    with pytest.raises(EngineError, match="no config.json"):
+        VLLMServer(EngineConfig(model=str(tmp_path / "notamodel"))).start()
+
+
+def test_broken_model_directory_reports_log_and_leaves_nothing(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    server = VLLMServer(EngineConfig(model=str(broken), log_path=tmp_path / "vllm.log"))
+    pids = []
+    original = server._wait_healthy
+    server._wait_healthy = lambda t: (pids.append(server.process.pid), original(t))[1]
+    with pytest.raises(EngineError, match="exited with code") as info:
+        server.start()
+    assert "Last lines of its log" in str(info.value)
+    _assert_group_gone(pids[0])
+
+
+def test_start_timeout_is_a_clear_error_and_leaves_nothing(tiny_model_dir, tmp_path):
+    server = VLLMServer(EngineConfig(model=str(tiny_model_dir), startup_timeout_s=3, log_path=tmp_path / "v.log"))
+    pids = []
+    original = server._wait_healthy
+    server._wait_healthy = lambda t: (pids.append(server.process.pid), original(t))[1]
+    with pytest.raises(EngineError, match="did not become healthy within 3 s"):
+        server.start()
+    _assert_group_gone(pids[0])
+
+
+def test_attach_to_unreachable_url_is_a_clear_error():
+    with pytest.raises(EngineError, match="no healthy vLLM server"):
+        VLLMServer.attach("http://127.0.0.1:9", timeout_s=2)
