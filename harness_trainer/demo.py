@@ -25,6 +25,9 @@ MESSAGES = [{"role": "system", "content": "You are a coding agent."},
 
 def main() -> None:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     t0 = time.perf_counter()
     model_dir = ensure_tiny_model()

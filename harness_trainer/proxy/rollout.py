@@ -1,0 +1,155 @@
+"""Sessions, their captured calls, the rollout graph and the TrainingTrace export.
+
+One session = one rollout = one agent run. Its id is the API key the agent is given. Each finished model
+call becomes a `Call`; the graph over calls is rebuilt from token ids alone, so arrival order never matters:
+
+  parent(c)   = the call whose prompt+sampled ids is the longest exact prefix of c's prompt
+  discarded   = a call whose exact prompt was sent again (a retry) and that nothing continued
+  auxiliary   = a call without tools in a rollout where other calls had tools (title generators, summaries)
+  roots       = calls with no parent: the first call, and every rewritten history (compaction, sub-agents)
+
+The export is OpenEnv's TrainingTrace wire form (schema v1), built as plain dicts: the proxy's environment has
+no openenv; the trainer validates with OpenEnv's own model.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from harness_trainer.proxy.capture import SamplingPolicy
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass
+class Call:
+    index: int  # arrival order within the session
+    dialect: str
+    stream: bool
+    policy_version: int
+    n_tools: int
+    request: dict  # {"messages": [...], "tools": [...] | None} as sent upstream (chat form)
+    sampling_params: dict
+    requested_sampling_params: dict
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    per_token_logps: list[float]
+    message: dict
+    finish_reason: str | None
+    problem: str | None = None  # why it cannot be trained on
+    harness_session_id: str | None = None
+    started: float = 0.0
+    finished: float = 0.0
+
+    @property
+    def full(self) -> list[int]:
+        return self.prompt_token_ids + self.completion_token_ids
+
+
+@dataclass
+class Session:
+    id: str
+    upstream: str
+    model: str
+    policy: SamplingPolicy = field(default_factory=SamplingPolicy)
+    max_model_calls: int | None = None
+    policy_version: int = 0
+    metadata: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    calls: list[Call] = field(default_factory=list)
+    started_calls: int = 0  # calls admitted (in flight or finished), for the budget
+
+    def summary(self) -> dict:
+        return {"id": self.id, "upstream": self.upstream, "model": self.model, "policy": asdict(self.policy),
+                "max_model_calls": self.max_model_calls, "policy_version": self.policy_version,
+                "metadata": self.metadata, "created": self.created, "calls": len(self.calls)}
+
+    def node_id(self, call: Call) -> str:
+        return f"{self.id}:{call.index}"
+
+
+def parents(calls: list[Call]) -> dict[int, int | None]:
+    """index -> parent index, by longest exact prefix of prompt+completion (independent of order)."""
+    result: dict[int, int | None] = {}
+    for call in calls:
+        best, best_len = None, -1
+        for other in calls:
+            if other is call or not other.prompt_token_ids:
+                continue
+            full = other.full
+            if len(full) <= len(call.prompt_token_ids) and len(full) > best_len and \
+                    call.prompt_token_ids[:len(full)] == full:
+                best, best_len = other.index, len(full)
+        result[call.index] = best
+    return result
+
+
+def roles(calls: list[Call]) -> dict[int, str]:
+    """index -> 'agent' | 'auxiliary' | 'discarded'."""
+    parent = parents(calls)
+    continued = {p for p in parent.values() if p is not None}
+    any_tools = any(c.n_tools for c in calls)
+    same_prompt: dict[tuple, list[Call]] = {}
+    for c in calls:
+        same_prompt.setdefault(tuple(c.prompt_token_ids), []).append(c)
+    result = {}
+    for c in calls:
+        if any_tools and not c.n_tools:
+            result[c.index] = "auxiliary"
+            continue
+        siblings = same_prompt[tuple(c.prompt_token_ids)]
+        if len(siblings) > 1 and c.index not in continued:
+            # A retry: keep the one that was continued, or else the last one sent.
+            keep = [s for s in siblings if s.index in continued] or [max(siblings, key=lambda s: s.index)]
+            if c not in keep:
+                result[c.index] = "discarded"
+                continue
+        result[c.index] = "agent"
+    return result
+
+
+def rollout_document(session: Session) -> dict:
+    """The full capture: every call with its graph links and role, trainable or not."""
+    parent, role = parents(session.calls), roles(session.calls)
+    calls = []
+    for c in sorted(session.calls, key=lambda c: c.index):
+        entry = asdict(c)
+        entry.update(node_id=session.node_id(c), role=role[c.index],
+                     parent=None if parent[c.index] is None else f"{session.id}:{parent[c.index]}")
+        calls.append(entry)
+    roots = [c["node_id"] for c in calls if c["parent"] is None and c["role"] == "agent"]
+    return {"session": session.summary(), "calls": calls, "roots": roots}
+
+
+class NotTrainable(Exception):
+    """The session's capture cannot be exported as a TrainingTrace; the message says why."""
+
+
+def training_trace(session: Session) -> dict:
+    """OpenEnv TrainingTrace (schema v1) wire form: agent turns only, prompt masked 0, completion 1."""
+    doc = rollout_document(session)
+    agent = [c for c in doc["calls"] if c["role"] == "agent"]
+    if not agent:
+        raise NotTrainable("no agent turns were captured: wrong base URL, unresolved model, or auth rejected")
+    broken = [c for c in agent if c["problem"]]
+    if broken:
+        raise NotTrainable(f"call {broken[0]['index']} has no exact capture: {broken[0]['problem']}")
+    turns = []
+    for c in agent:
+        turns.append({
+            "node_id": c["node_id"],
+            "prompt_token_ids": c["prompt_token_ids"],
+            "completion_token_ids": c["completion_token_ids"],
+            "per_token_logps": c["per_token_logps"],
+            "loss_mask": [0] * len(c["prompt_token_ids"]) + [1] * len(c["completion_token_ids"]),
+            "request": c["request"],
+            "response": {"choices": [{"message": c["message"], "finish_reason": c["finish_reason"]}]},
+            "metadata": {"node_id": c["node_id"], "index": c["index"], "model": session.model,
+                         "n_tools": c["n_tools"], "sampling_params": c["sampling_params"],
+                         "requested_sampling_params": c["requested_sampling_params"],
+                         "policy_version": c["policy_version"], "harness_session_id": c["harness_session_id"],
+                         "parent": c["parent"], "dialect": c["dialect"], "stream": c["stream"]},
+        })
+    return {"schema_version": 1, "turns": turns}
