@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from harness_trainer.process import ManagedProcess, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,12 +39,6 @@ def engine_python() -> str:
         return env
     local = REPO_ROOT / ".venv-engine" / "bin" / "python"
     return str(local) if local.exists() else sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -107,20 +100,6 @@ def check_model_dir(model: str | Path) -> Path:
     return path
 
 
-def kill_group(leader: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGKILL the leader's process group and wait until none of it is left: children can outlive their
-    leader, and a killed process lingers until reaped (we reap the leader; init reaps the rest)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(leader.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        leader.poll()
-        time.sleep(0.05)
-    raise EngineError(f"process group {leader.pid} survived SIGKILL for {timeout_s} s")
-
-
 class VLLMServer:
     """A running (or attached) vLLM server. Use as a context manager, or call start()/stop()."""
 
@@ -129,9 +108,8 @@ class VLLMServer:
             raise ValueError("give either an EngineConfig to launch or the url of a running server")
         self.cfg = cfg
         self.url = url.rstrip("/") if url else ""
-        self.process: subprocess.Popen | None = None
-        self._log_file = None
-        self._tmp = None
+        self.managed: ManagedProcess | None = None
+        self._tmp: str | None = None
 
     @classmethod
     def attach(cls, url: str, timeout_s: float = 10.0) -> VLLMServer:
@@ -145,14 +123,14 @@ class VLLMServer:
         return server
 
     @property
+    def process(self):
+        return self.managed.process if self.managed else None
+
+    @property
     def model_name(self) -> str:
         if self.cfg:
             return self.cfg.served_model_name
         return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.cfg.log_path if self.cfg else None
 
     def start(self) -> VLLMServer:
         cfg = self.cfg
@@ -164,58 +142,21 @@ class VLLMServer:
         self._tmp = tempfile.mkdtemp(prefix="harness-vllm-")
         if cfg.log_path is None:
             cfg.log_path = Path(self._tmp) / "vllm.log"
-        self._log_file = open(cfg.log_path, "ab")
         self.url = f"http://{cfg.host}:{cfg.port}"
-        # A new session makes the server and its engine-core children one process group we can stop as one.
-        self.process = subprocess.Popen(
-            server_command(cfg, gpu), env=server_env(cfg, Path(self._tmp) / "cache"),
-            stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            self._wait_healthy(cfg.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self.managed = ManagedProcess(
+            "vLLM", server_command(cfg, gpu), env=server_env(cfg, Path(self._tmp) / "cache"),
+            log_path=Path(cfg.log_path), health_url=f"{self.url}/health", error=EngineError,
+            start_hint="On 2 CPU cores a cold start takes about a minute; raise the start-up timeout if the log "
+                       "shows progress.")
+        self.managed.start(cfg.startup_timeout_s)
         return self
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EngineError(
-                    f"vLLM exited with code {self.process.returncode} while starting.\n"
-                    f"Last lines of its log ({self.cfg.log_path}):\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise EngineError(
-            f"vLLM did not become healthy within {timeout_s:.0f} s. On 2 CPU cores a cold start takes about a "
-            f"minute; raise the start-up timeout if the log shows progress.\n"
-            f"Last lines of its log ({self.cfg.log_path}):\n{self.log_tail()}")
-
     def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path or not Path(self.log_path).exists():
-            return "(no log)"
-        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        return self.managed.log_tail(lines) if self.managed else "(no log: attached server)"
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after timeout_s. Safe to call twice."""
-        proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                pass
-        if proc is not None:
-            kill_group(proc)
-        if self._log_file:
-            self._log_file.close()
-            self._log_file = None
+    def stop(self) -> None:
+        if self.managed:
+            self.managed.stop()
         if self._tmp:  # the compile cache; the log stays for post-mortems
             shutil.rmtree(Path(self._tmp) / "cache", ignore_errors=True)
 

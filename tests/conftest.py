@@ -35,3 +35,13 @@ def engine(tiny_model_dir, tmp_path_factory):
                        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
     with VLLMServer(cfg) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def proxy(engine, tmp_path_factory):
+    """One capture proxy (in its own environment) in front of the session's engine."""
+    from harness_trainer.proxy.client import ProxyServer
+
+    root = tmp_path_factory.mktemp("proxy")
+    with ProxyServer(engine.url, journal=root / "journal", log_path=root / "proxy.log") as server:
+        yield server

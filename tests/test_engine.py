@@ -129,23 +129,17 @@ def test_broken_model_directory_reports_log_and_leaves_nothing(tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
     server = VLLMServer(EngineConfig(model=str(broken), log_path=tmp_path / "vllm.log"))
-    pids = []
-    original = server._wait_healthy
-    server._wait_healthy = lambda t: (pids.append(server.process.pid), original(t))[1]
     with pytest.raises(EngineError, match="exited with code") as info:
         server.start()
     assert "Last lines of its log" in str(info.value)
-    _assert_group_gone(pids[0])
+    _assert_group_gone(server.managed.pid)
 
 
 def test_start_timeout_is_a_clear_error_and_leaves_nothing(tiny_model_dir, tmp_path):
     server = VLLMServer(EngineConfig(model=str(tiny_model_dir), startup_timeout_s=3, log_path=tmp_path / "v.log"))
-    pids = []
-    original = server._wait_healthy
-    server._wait_healthy = lambda t: (pids.append(server.process.pid), original(t))[1]
     with pytest.raises(EngineError, match="did not become healthy within 3 s"):
         server.start()
-    _assert_group_gone(pids[0])
+    _assert_group_gone(server.managed.pid)
 
 
 def test_attach_to_unreachable_url_is_a_clear_error():

@@ -149,6 +149,8 @@ class Completion:
         """Why this call cannot be trained on, or None when its capture is exact."""
         if not self.prompt_token_ids:
             return "the engine returned no prompt_token_ids (it must be vLLM with return_token_ids support)"
+        if self.finish_reason is None:
+            return "the answer never finished (no finish_reason: the stream broke off or errored)"
         if not self.saw_logprobs or len(self.logprobs) != len(self.token_ids):
             return (f"{len(self.logprobs)} logprobs for {len(self.token_ids)} sampled tokens: the engine must "
                     "return one logprob per sampled token")

@@ -1,0 +1,94 @@
+"""A supervised server subprocess: started in its own process group, waited on until healthy, stopped as a
+whole group. The engine (vLLM) and the capture proxy both run this way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+
+class ProcessError(RuntimeError):
+    """A supervised server failed to start or stop; the message says what to do."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(leader: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL the leader's process group and wait until none of it is left: children can outlive their
+    leader, and a killed process lingers until reaped (we reap the leader; init reaps the rest)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        leader.poll()
+        time.sleep(0.05)
+    raise ProcessError(f"process group {leader.pid} survived SIGKILL for {timeout_s} s")
+
+
+class ManagedProcess:
+    def __init__(self, name: str, command: list[str], *, env: dict[str, str], log_path: Path,
+                 health_url: str, error: type[Exception] = ProcessError, start_hint: str = ""):
+        self.name, self.command, self.env = name, command, env
+        self.log_path, self.health_url, self.error, self.start_hint = log_path, health_url, error, start_hint
+        self.process: subprocess.Popen | None = None
+        self.pid: int | None = None  # kept after stop(): the process group id, for checks
+        self._log = None
+
+    def start(self, timeout_s: float) -> None:
+        self._log = open(self.log_path, "ab")
+        # A new session makes the server and its children one process group we can stop as one.
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.process.pid
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise self.error(f"{self.name} exited with code {self.process.returncode} while starting.\n"
+                                 f"Last lines of its log ({self.log_path}):\n{self.log_tail()}")
+            try:
+                if httpx.get(self.health_url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise self.error(f"{self.name} did not become healthy within {timeout_s:.0f} s. {self.start_hint}\n"
+                         f"Last lines of its log ({self.log_path}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the group, then SIGKILL whatever is left after timeout_s. Safe to call twice."""
+        proc, self.process = self.process, None
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=timeout_s)
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    pass
+            kill_group(proc)
+        if self._log:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,221 @@
+"""The capture proxy as a mitmproxy addon: behaviour as small hooks on one flow.
+
+  request          control routes are answered here; a model call is authenticated by its session key,
+                   translated to a chat completion, checked against the session's sampling policy, given
+                   the capture fields, and re-addressed to the session's upstream
+  responseheaders  a streamed answer is passed on chunk by chunk (true streaming) through `Capture.feed`,
+                   which accumulates ids and logprobs and rewrites each event for the agent
+  response         a JSON answer is captured and rewritten; 408/429/5xx are retried; a context overflow
+                   becomes a clean stop answer; other upstream errors pass through
+
+A finished call is journaled before the agent receives the answer's last byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from mitmproxy import http
+
+from harness_trainer.proxy.capture import (Completion, PolicyRefusal, SamplingPolicy, SSEDecoder, event_data,
+                                           prepare_chat_request)
+from harness_trainer.proxy.control import ControlRoutes, json_response
+from harness_trainer.proxy.dialects import dialect_for
+from harness_trainer.proxy.rollout import Call, Session
+from harness_trainer.proxy.store import SessionStore
+
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+BUDGET_STOP = "Step budget exhausted; stopping."
+CONTEXT_STOP = "Context length exceeded; stopping."
+
+
+@dataclass
+class Capture:
+    """One model call in flight."""
+    store: SessionStore
+    session: Session
+    dialect: object
+    asked: dict  # the agent's own request body
+    sent: dict  # the chat body sent upstream
+    requested_params: dict
+    sent_params: dict
+    stream: bool
+    policy_version: int
+    harness_session_id: str | None
+    started: float = field(default_factory=time.time)
+    completion: Completion = field(default_factory=Completion)
+    decoder: SSEDecoder = field(default_factory=SSEDecoder)
+    translator: object = None
+    finished: bool = False
+
+    def feed(self, data: bytes) -> bytes:
+        """mitmproxy's stream callable: raw upstream SSE bytes in, the agent's bytes out (b"" = end)."""
+        if self.translator is None:
+            self.translator = self.dialect.stream_translator(self.asked)
+        out = []
+        for raw in self.decoder.feed(data) if data else self.decoder.feed(b"\n\n"):
+            payload = event_data(raw)
+            if payload == "[DONE]":
+                self.finish()
+                out.append(self.translator.done())
+                continue
+            chunk = None
+            if payload:
+                try:
+                    chunk = json.loads(payload)
+                except json.JSONDecodeError:
+                    chunk = None
+            if isinstance(chunk, dict):
+                if chunk.get("prompt_token_ids"):
+                    self.completion.prompt_token_ids = chunk["prompt_token_ids"]
+                for choice in chunk.get("choices") or []:
+                    self.completion.add_choice_delta(choice)
+                self.completion.usage = chunk.get("usage") or self.completion.usage
+            if raw.strip():
+                out.append(self.translator.event(raw, chunk if isinstance(chunk, dict) else None))
+        if not data and not self.finished:  # the stream ended without [DONE]
+            self.finish()
+        return b"".join(out)
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        c = self.completion
+        self.store.record(self.session, Call(
+            index=len(self.session.calls), dialect=self.dialect.name, stream=self.stream,
+            policy_version=self.policy_version, n_tools=len(self.sent.get("tools") or []),
+            request={"messages": self.sent["messages"], "tools": self.sent.get("tools")},
+            sampling_params=self.sent_params, requested_sampling_params=self.requested_params,
+            prompt_token_ids=c.prompt_token_ids or [], completion_token_ids=c.token_ids,
+            per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
+            problem=c.problem(), harness_session_id=self.harness_session_id,
+            started=self.started, finished=time.time()))
+
+
+def session_key(request: http.Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+
+
+class CaptureAddon:
+    def __init__(self, store: SessionStore, *, upstream: str, model: str | None = None,
+                 admin_key: str | None = None, retries: int = 3, public_url: str | None = None):
+        self.store = store
+        self.upstream = upstream.rstrip("/")
+        self.model = model
+        self.retries = retries
+        self.control = ControlRoutes(self, admin_key=admin_key, public_url=public_url)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
+
+    async def served_model(self, upstream: str) -> str:
+        if self.model is None or upstream != self.upstream:
+            models = (await self.http.get(f"{upstream}/v1/models")).json()["data"]
+            if upstream != self.upstream:
+                return models[0]["id"]
+            self.model = models[0]["id"]
+        return self.model
+
+    def new_session(self, body: dict) -> Session:
+        """Called by the control routes (after `served_model` resolved the model)."""
+        return self.store.create(
+            upstream=body.get("upstream") or self.upstream, model=body["model"], session_id=body.get("id"),
+            policy=SamplingPolicy.from_dict(body.get("policy")), max_model_calls=body.get("max_model_calls"),
+            policy_version=int(body.get("policy_version", 0)), metadata=body.get("metadata") or {})
+
+    # ---- hooks ---------------------------------------------------------------------------------------------
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        reverse = type(flow.client_conn.proxy_mode).__name__ == "ReverseMode"
+        dialect = dialect_for(flow.request.path)
+        if dialect is None:
+            if reverse:
+                flow.response = await self.control.handle(flow)
+            return  # forward mode: traffic that is not a model call passes through untouched
+        session = self.store.sessions.get(session_key(flow.request) or "")
+        if session is None:
+            flow.response = json_response(401, dialect.error(401, "unknown API key: it must be the id of a "
+                                                                  "capture session (POST /sessions)"))
+            return
+        try:
+            asked = json.loads(flow.request.get_content() or b"")
+            if not isinstance(asked, dict):
+                raise ValueError("the body must be a JSON object")
+            chat = dialect.to_chat(asked)
+        except (ValueError, UnicodeDecodeError) as exc:
+            flow.response = json_response(400, dialect.error(400, f"request body is not valid JSON: {exc}"))
+            return
+        stream = dialect.wants_stream(asked)
+        if session.max_model_calls is not None and session.started_calls >= session.max_model_calls:
+            flow.response = self.stop_response(dialect, asked, session, BUDGET_STOP, stream)
+            return
+        try:
+            sent, requested, sent_params = prepare_chat_request(chat, session.policy, session.model)
+        except (PolicyRefusal, TypeError, ValueError) as exc:
+            flow.response = json_response(400, dialect.error(400, str(exc)))
+            return
+        session.started_calls += 1
+        flow.metadata["capture"] = Capture(
+            self.store, session, dialect, asked, sent, requested, sent_params, stream, session.policy_version,
+            flow.request.headers.get("x-session-id"))
+        flow.request.url = f"{session.upstream}/v1/chat/completions"
+        for header in ("authorization", "x-api-key", "x-goog-api-key", "accept-encoding"):
+            flow.request.headers.pop(header, None)
+        flow.request.headers["content-type"] = "application/json"
+        flow.request.content = json.dumps(sent).encode()
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        capture: Capture | None = flow.metadata.get("capture")
+        if capture and capture.stream and flow.response.status_code == 200:
+            flow.response.stream = capture.feed
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        capture: Capture | None = flow.metadata.get("capture")
+        if capture is None or capture.finished:
+            return
+        response = flow.response
+        for attempt in range(self.retries):
+            if response.status_code not in RETRY_STATUS:
+                break
+            await asyncio.sleep(0.2 * 2 ** attempt)
+            try:
+                retried = await self.http.post(f"{capture.session.upstream}/v1/chat/completions", json=capture.sent)
+            except httpx.HTTPError:
+                continue
+            response = http.Response.make(retried.status_code, retried.content,
+                                          {"content-type": retried.headers.get("content-type", "application/json")})
+        if response.status_code == 200:
+            if capture.stream:
+                body = capture.feed(response.content) + capture.feed(b"")
+            else:
+                answer = json.loads(response.content)
+                capture.completion = Completion.from_json(answer)
+                capture.finish()
+                body = json.dumps(capture.dialect.from_chat(answer, capture.asked)).encode()
+            flow.response = http.Response.make(200, body, {
+                "content-type": "text/event-stream" if capture.stream else "application/json"})
+            return
+        text = response.get_text(strict=False) or ""
+        if response.status_code == 400 and "context length" in text.lower():
+            flow.response = self.stop_response(capture.dialect, capture.asked, capture.session, CONTEXT_STOP,
+                                               capture.stream)
+            return
+        try:
+            message = json.loads(text).get("error", {}).get("message") or text
+        except (ValueError, AttributeError):
+            message = text
+        flow.response = json_response(response.status_code, capture.dialect.error(response.status_code, message))
+
+    def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool) -> http.Response:
+        """A clean stop in the agent's dialect; never recorded."""
+        return http.Response.make(200, dialect.stop_answer(asked, session.model, text, stream), {
+            "content-type": "text/event-stream" if stream else "application/json"})
+
+    async def done(self) -> None:
+        await self.http.aclose()

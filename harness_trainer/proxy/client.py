@@ -1,0 +1,129 @@
+"""Start, supervise and talk to the capture proxy from the trainer's side (HTTP only, no mitmproxy import).
+
+    with ProxyServer(upstream=engine.url, journal=run_dir / "journal") as proxy:
+        session = proxy.client.create_session(max_model_calls=30)
+        # agent: base_url = session["base_url"], api_key = session["api_key"]
+        trace = proxy.client.trace(session["id"])   # OpenEnv TrainingTrace wire form
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from harness_trainer.process import ManagedProcess, ProcessError, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ProxyError(RuntimeError):
+    """The proxy refused or failed a control call; the message carries its answer."""
+
+
+class CaptureNotTrainable(ProxyError):
+    """The session's capture cannot become a TrainingTrace (409 from /sessions/{id}/trace)."""
+
+
+def proxy_python() -> str:
+    """The interpreter that has mitmproxy: $HARNESS_PROXY_PYTHON, the project's .venv-proxy, or this one."""
+    if env := os.environ.get("HARNESS_PROXY_PYTHON"):
+        return env
+    local = REPO_ROOT / ".venv-proxy" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+class ProxyClient:
+    def __init__(self, url: str, admin_key: str | None = None, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, **kwargs) -> dict:
+        response = self.http.request(method, path, **kwargs)
+        if response.status_code == 409 and path.endswith("/trace"):
+            raise CaptureNotTrainable(response.json().get("reason", response.text))
+        if not response.is_success:
+            raise ProxyError(f"proxy {method} {path} -> HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    def create_session(self, **settings) -> dict:
+        """settings: id, upstream, model, policy{training,temperature,max_tokens_cap}, max_model_calls,
+        policy_version, metadata. Returns the session with its api_key and base_url."""
+        return self._call("POST", "/sessions", json=settings)
+
+    def session(self, session_id: str) -> dict:
+        return self._call("GET", f"/sessions/{session_id}")
+
+    def trace(self, session_id: str) -> dict:
+        return self._call("GET", f"/sessions/{session_id}/trace")
+
+    def rollout(self, session_id: str) -> dict:
+        return self._call("GET", f"/sessions/{session_id}/rollout")
+
+    def delete(self, session_id: str) -> dict:
+        return self._call("DELETE", f"/sessions/{session_id}")
+
+    def set_policy_version(self, version: int, session_id: str | None = None) -> dict:
+        path = f"/sessions/{session_id}/policy_version" if session_id else "/policy_version"
+        return self._call("POST", path, json={"policy_version": version})
+
+
+class ProxyServer:
+    """The capture proxy as a supervised subprocess in its own environment."""
+
+    def __init__(self, upstream: str, *, port: int = 0, forward_port: int | None = None, host: str = "127.0.0.1",
+                 journal: str | Path | None = None, admin_key: str | None = None, model: str | None = None,
+                 confdir: str | Path | None = None, log_path: str | Path | None = None,
+                 startup_timeout_s: float = 30.0):
+        self.port = port or free_port()
+        self.forward_port = forward_port
+        self.host = host
+        self.admin_key = admin_key or secrets.token_urlsafe(24)
+        self.url = f"http://{host}:{self.port}"
+        tmp = Path(tempfile.mkdtemp(prefix="harness-proxy-"))
+        self.confdir = Path(confdir) if confdir else tmp / "conf"
+        command = [proxy_python(), "-m", "harness_trainer.proxy.server", "--upstream", upstream,
+                   "--port", str(self.port), "--host", host, "--confdir", str(self.confdir)]
+        if forward_port:
+            command += ["--forward-port", str(forward_port)]
+        if journal:
+            command += ["--journal", str(journal)]
+        if model:
+            command += ["--model", model]
+        env = dict(os.environ, HARNESS_PROXY_ADMIN_KEY=self.admin_key, PYTHONUNBUFFERED="1")
+        self.managed = ManagedProcess("capture proxy", command, env=env, log_path=Path(log_path or tmp / "proxy.log"),
+                                      health_url=f"{self.url}/health", error=ProxyError)
+        self.startup_timeout_s = startup_timeout_s
+        self.client = ProxyClient(self.url, self.admin_key)
+
+    @property
+    def ca_path(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    def start(self) -> ProxyServer:
+        try:
+            self.managed.start(self.startup_timeout_s)
+        except ProcessError as exc:
+            raise ProxyError(str(exc)) from None
+        return self
+
+    def stop(self) -> None:
+        self.managed.stop()
+
+    def kill(self) -> None:
+        """SIGKILL without warning (for crash tests)."""
+        if self.managed.process:
+            os.killpg(self.managed.process.pid, 9)
+            self.managed.process.wait()
+            self.managed.process = None
+
+    def __enter__(self) -> ProxyServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,144 @@
+"""The proxy's own HTTP routes (reverse-mode listener only):
+
+  GET    /health                         liveness and session count (open)
+  POST   /sessions                       mint a session; its id is the agent's API key      (admin)
+  GET    /sessions                       list sessions                                      (admin)
+  GET    /sessions/{id}                  one session's settings and call count              (admin or own key)
+  GET    /sessions/{id}/trace            OpenEnv TrainingTrace, or 409 with why not          (admin or own key)
+  GET    /sessions/{id}/rollout          the full capture document                          (admin or own key)
+  DELETE /sessions/{id}                  forget a session and its journal                   (admin)
+  POST   /sessions/{id}/policy_version   {"policy_version": N} for one session              (admin)
+  POST   /policy_version                 {"policy_version": N} for every session            (admin)
+  GET    /v1/models                      the served model                                   (a session key)
+  GET    /ca.pem                         the CA certificate for forward (HTTPS_PROXY) mode  (open)
+
+Without an admin key (loopback only) the admin routes are open to local callers; a request that carries a
+session's key is still confined to that session's own routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from pathlib import Path
+
+from mitmproxy import ctx, http
+
+from harness_trainer.proxy.capture import SamplingPolicy
+from harness_trainer.proxy.rollout import NotTrainable, rollout_document, training_trace
+
+
+def json_response(status: int, body) -> http.Response:
+    return http.Response.make(status, json.dumps(body).encode(), {"content-type": "application/json"})
+
+
+def _error(status: int, message: str) -> http.Response:
+    return json_response(status, {"error": {"message": message, "code": status}})
+
+
+class ControlRoutes:
+    def __init__(self, addon, *, admin_key: str | None, public_url: str | None):
+        self.addon = addon
+        self.admin_key = admin_key
+        self.public_url = public_url
+
+    def _caller(self, request: http.Request) -> tuple[bool, str | None]:
+        """(is admin, session id the caller holds the key of)."""
+        from harness_trainer.proxy.addon import session_key
+
+        key = session_key(request) or request.headers.get("x-admin-key")
+        if key and key in self.addon.store.sessions:
+            return False, key
+        if self.admin_key is None:
+            return True, None
+        return bool(key) and hmac.compare_digest(key, self.admin_key), None
+
+    async def handle(self, flow: http.HTTPFlow) -> http.Response:
+        request = flow.request
+        parts = [p for p in request.path.split("?", 1)[0].split("/") if p]
+        method = request.method
+        admin, own = self._caller(request)
+        store = self.addon.store
+
+        if parts == ["health"] and method == "GET":
+            return json_response(200, {"status": "ok", "sessions": len(store.sessions)})
+        if parts == ["ca.pem"] and method == "GET":
+            path = Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"
+            return http.Response.make(200, path.read_bytes(), {"content-type": "application/x-pem-file"})
+        if parts == ["v1", "models"] and method == "GET":
+            if not (own or admin):
+                return _error(401, "unknown API key")
+            model = store.sessions[own].model if own else await self.addon.served_model(self.addon.upstream)
+            return json_response(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+        if not parts or parts[0] not in ("sessions", "policy_version"):
+            return _error(404, f"no route {method} {request.path}: model calls go to /v1/chat/completions, "
+                               "/v1/messages or /v1/responses; control routes are under /sessions")
+        session_id = parts[1] if len(parts) > 1 else None
+        if not admin and not (own and own == session_id and method == "GET"):
+            return _error(401 if not own else 403, "this route needs the proxy's admin key"
+                          if not own else "a session key can only read its own session")
+
+        body = {}
+        if method in ("POST", "PUT", "PATCH") and request.content:
+            try:
+                body = json.loads(request.content)
+                if not isinstance(body, dict):
+                    raise ValueError("expected a JSON object")
+            except (ValueError, UnicodeDecodeError) as exc:
+                return _error(400, f"request body is not valid JSON: {exc}")
+
+        if parts == ["policy_version"] and method == "POST":
+            version = body.get("policy_version")
+            if not isinstance(version, int) or isinstance(version, bool):
+                return _error(400, "'policy_version' must be an integer")
+            for session in list(store.sessions.values()):
+                store.set_policy_version(session, version)
+            return json_response(200, {"policy_version": version, "sessions": len(store.sessions)})
+        if parts == ["sessions"] and method == "POST":
+            return await self._create(flow, body)
+        if parts == ["sessions"] and method == "GET":
+            return json_response(200, {"sessions": [s.summary() for s in store.sessions.values()]})
+        session = store.sessions.get(session_id or "")
+        if session is None:
+            return _error(404, f"no session {session_id!r}")
+        tail = parts[2:]
+        if tail == [] and method == "GET":
+            return json_response(200, session.summary())
+        if tail == [] and method == "DELETE":
+            store.delete(session.id)
+            return json_response(200, {"deleted": session.id})
+        if tail == ["trace"] and method == "GET":
+            try:
+                return json_response(200, training_trace(session))
+            except NotTrainable as exc:
+                return json_response(409, {"trainable": False, "reason": str(exc)})
+        if tail == ["rollout"] and method == "GET":
+            return json_response(200, rollout_document(session))
+        if tail == ["policy_version"] and method == "POST":
+            version = body.get("policy_version")
+            if not isinstance(version, int) or isinstance(version, bool):
+                return _error(400, "'policy_version' must be an integer")
+            store.set_policy_version(session, version)
+            return json_response(200, session.summary())
+        return _error(404, f"no route {method} {request.path}")
+
+    async def _create(self, flow: http.HTTPFlow, body: dict) -> http.Response:
+        checks = {"id": str, "upstream": str, "model": str, "policy": dict, "max_model_calls": int,
+                  "policy_version": int, "metadata": dict}
+        for key, kind in checks.items():
+            value = body.get(key)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                return _error(400, f"'{key}' must be of type {kind.__name__}")
+        try:
+            SamplingPolicy.from_dict(body.get("policy"))
+            body = dict(body, model=body.get("model") or await self.addon.served_model(
+                (body.get("upstream") or self.addon.upstream).rstrip("/")))
+            session = self.addon.new_session(body)
+        except KeyError as exc:
+            return _error(409, str(exc.args[0]))
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        except Exception as exc:  # the upstream could not be asked for its model
+            return _error(502, f"could not ask the upstream for its served model: {exc}; pass 'model'")
+        base = self.public_url or f"http://{flow.request.host_header or flow.request.host}"
+        return json_response(201, dict(session.summary(), api_key=session.id, base_url=f"{base}/v1"))

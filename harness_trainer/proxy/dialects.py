@@ -1,0 +1,80 @@
+"""Client dialects. Every model call is sent upstream as an OpenAI chat completion; a dialect translates the
+agent's request into that form and the engine's answer (JSON, or SSE event by event) back into the agent's.
+
+Only translation lives here: no I/O, no capture. Chat completions is the identity dialect.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from harness_trainer.proxy.capture import strip_injected
+
+
+def sse(data: dict | str, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "").encode() + b"data: " + payload.encode() + b"\n\n"
+
+
+class ChatDialect:
+    """OpenAI chat completions: the request goes up as is; the answer comes back minus injected fields."""
+    name = "chat"
+    paths = ("/v1/chat/completions", "/chat/completions")
+
+    def to_chat(self, body: dict) -> dict:
+        return body
+
+    def wants_stream(self, body: dict) -> bool:
+        return bool(body.get("stream"))
+
+    def from_chat(self, answer: dict, asked: dict) -> dict:
+        return strip_injected(answer, asked)
+
+    def stream_translator(self, asked: dict) -> ChatStream:
+        return ChatStream(asked)
+
+    def stop_answer(self, asked: dict, model: str, text: str, stream: bool) -> bytes:
+        ident, now = f"chatcmpl-stop-{uuid.uuid4().hex[:12]}", int(time.time())
+        if not stream:
+            return json.dumps({
+                "id": ident, "object": "chat.completion", "created": now, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}).encode()
+        chunk = {"id": ident, "object": "chat.completion.chunk", "created": now, "model": model}
+        return (sse(dict(chunk, choices=[{"index": 0, "delta": {"role": "assistant", "content": text},
+                                          "finish_reason": None}]))
+                + sse(dict(chunk, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+                + sse("[DONE]"))
+
+    def error(self, status: int, message: str) -> dict:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return {"error": {"message": message, "type": kind, "code": status}}
+
+
+class ChatStream:
+    """Per-event rewrite of a chat SSE stream: drop the injected fields the agent did not ask for."""
+
+    def __init__(self, asked: dict):
+        self.asked = asked
+        self.passthrough = bool(asked.get("return_token_ids") and asked.get("logprobs"))
+
+    def event(self, raw: bytes, chunk: dict | None) -> bytes:
+        if chunk is None or self.passthrough:
+            return raw + b"\n\n"
+        return sse(strip_injected(chunk, self.asked))
+
+    def done(self) -> bytes:
+        return sse("[DONE]")
+
+
+DIALECTS = [ChatDialect()]
+
+
+def dialect_for(path: str):
+    path = path.split("?", 1)[0].rstrip("/")
+    for dialect in DIALECTS:
+        if path in dialect.paths:
+            return dialect
+    return None

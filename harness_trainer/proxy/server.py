@@ -1,0 +1,91 @@
+"""Run the capture proxy: mitmproxy's in-process master with the capture addon, in the proxy's environment.
+
+    python -m harness_trainer.proxy.server --upstream http://127.0.0.1:8000 --port 8100 [--forward-port 8101]
+
+Two listeners on one master:
+  reverse  (--port)          agents whose base URL points at the proxy, and the control routes
+  regular  (--forward-port)  agents that keep their built-in endpoint and get HTTPS_PROXY + the CA at /ca.pem;
+                             their model calls are captured and sent to the session's upstream
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from mitmproxy.options import Options
+    from mitmproxy.tools.dump import DumpMaster
+
+    from harness_trainer.proxy.addon import CaptureAddon
+    from harness_trainer.proxy.store import SessionStore
+
+    confdir = Path(args.confdir).expanduser()
+    confdir.mkdir(parents=True, exist_ok=True)
+    modes = [f"reverse:{args.upstream}@{args.port}"]
+    if args.forward_port:
+        modes.append(f"regular@{args.forward_port}")
+    options = Options(listen_host=args.host, mode=modes, confdir=str(confdir))
+    master = DumpMaster(options, with_termlog=False, with_dumper=False)
+    master.options.update(
+        connection_strategy="lazy",  # control routes never open an upstream connection
+        body_size_limit=args.body_size_limit, ssl_insecure=True, keep_host_header=True,
+        stream_large_bodies=None)
+    store = SessionStore(args.journal)
+    master.addons.add(CaptureAddon(store, upstream=args.upstream, model=args.model, admin_key=args.admin_key,
+                                   public_url=args.public_url))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, master.shutdown)
+    print(f"capture proxy: reverse on http://{args.host}:{args.port} -> {args.upstream}"
+          + (f", forward (HTTPS_PROXY) on {args.host}:{args.forward_port}" if args.forward_port else "")
+          + f"; {len(store.sessions)} session(s) reloaded from the journal", flush=True)
+    await master.run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harness-train proxy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--port", type=int, default=8100, help="reverse listener and control routes (8100)")
+    parser.add_argument("--forward-port", type=int, default=None, help="forward (HTTPS_PROXY) listener (off)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    parser.add_argument("--model", default=None, help="served model id (default: asked from the upstream)")
+    parser.add_argument("--admin-key", default=os.environ.get("HARNESS_PROXY_ADMIN_KEY"),
+                        help="key for the control routes (env HARNESS_PROXY_ADMIN_KEY); required off loopback")
+    parser.add_argument("--journal", default=None, help="directory of per-session journals (off)")
+    parser.add_argument("--confdir", default="~/.cache/harness-trainer/mitmproxy",
+                        help="where mitmproxy keeps its CA (~/.cache/harness-trainer/mitmproxy)")
+    parser.add_argument("--public-url", default=None, help="base URL sandboxes reach the proxy at")
+    parser.add_argument("--body-size-limit", default="32m", help="largest request body accepted (32m)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not is_loopback(args.host) and not args.admin_key:
+        print(f"harness-train proxy: refusing to bind {args.host} without an admin key: anyone who can reach "
+              "it could read every session. Pass --admin-key (or HARNESS_PROXY_ADMIN_KEY), or bind 127.0.0.1.",
+              file=sys.stderr)
+        return 2
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Session store with an append-only journal per session, so a restarted proxy loses no finished turn.
+
+journal/<session id>.jsonl holds one JSON record a line:
+  {"t": "session", ...}               created (the session's settings)
+  {"t": "call", ...}                  one finished model call, written and fsynced before the agent gets the
+                                      answer's last byte
+  {"t": "version", "policy_version"}  the trainer moved the session to a new policy version
+A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict
+from pathlib import Path
+
+from harness_trainer.proxy.capture import SamplingPolicy
+from harness_trainer.proxy.rollout import SESSION_ID, Call, Session
+
+
+class SessionStore:
+    def __init__(self, journal_dir: str | Path | None = None):
+        self.sessions: dict[str, Session] = {}
+        self.journal_dir = Path(journal_dir) if journal_dir else None
+        if self.journal_dir:
+            self.journal_dir.mkdir(parents=True, exist_ok=True)
+            self._reload()
+
+    def _append(self, session_id: str, record: dict) -> None:
+        if not self.journal_dir:
+            return
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        fd = os.open(self.journal_dir / f"{session_id}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _reload(self) -> None:
+        for path in sorted(self.journal_dir.glob("*.jsonl")):
+            session = None
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # torn tail
+                kind = record.pop("t", None)
+                if kind == "session":
+                    record["policy"] = SamplingPolicy(**record["policy"])
+                    session = Session(**record)
+                elif kind == "call" and session:
+                    session.calls.append(Call(**record))
+                elif kind == "version" and session:
+                    session.policy_version = record["policy_version"]
+            if session:
+                session.started_calls = len(session.calls)
+                self.sessions[session.id] = session
+
+    def create(self, *, upstream: str, model: str, session_id: str | None = None,
+               policy: SamplingPolicy | None = None, max_model_calls: int | None = None,
+               policy_version: int = 0, metadata: dict | None = None) -> Session:
+        session_id = session_id or "hs-" + secrets.token_urlsafe(18).replace("-", "x").replace("_", "y")
+        if not SESSION_ID.match(session_id):
+            raise ValueError(f"session id {session_id!r} must match {SESSION_ID.pattern}")
+        if session_id in self.sessions:
+            raise KeyError(f"session {session_id} already exists")
+        session = Session(id=session_id, upstream=upstream.rstrip("/"), model=model,
+                          policy=policy or SamplingPolicy(), max_model_calls=max_model_calls,
+                          policy_version=policy_version, metadata=metadata or {})
+        self._append(session.id, {"t": "session", **{k: v for k, v in asdict(session).items()
+                                                      if k not in ("calls", "started_calls")}})
+        self.sessions[session.id] = session
+        return session
+
+    def record(self, session: Session, call: Call) -> None:
+        self._append(session.id, {"t": "call", **asdict(call)})
+        session.calls.append(call)
+
+    def set_policy_version(self, session: Session, version: int) -> None:
+        session.policy_version = version
+        self._append(session.id, {"t": "version", "policy_version": version})
+
+    def delete(self, session_id: str) -> bool:
+        session = self.sessions.pop(session_id, None)
+        if session and self.journal_dir:
+            (self.journal_dir / f"{session_id}.jsonl").unlink(missing_ok=True)
+        return session is not None
