@@ -49,6 +49,12 @@ def prepare_chat_request(body: dict, policy: SamplingPolicy, served_model: str) 
     Raises PolicyRefusal for what a training policy must refuse."""
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise PolicyRefusal("'messages' must be a non-empty list of chat messages")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise PolicyRefusal(f"'{key}' must be a positive integer, not {value!r}")
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise PolicyRefusal("'tools' must be a list of tool definitions")
     requested = {k: body[k] for k in SAMPLING_KEYS if k in body}
     sent = dict(body)
     sent["model"] = served_model  # harnesses mangle names ("openai/tiny", "hosted_vllm/tiny")
@@ -85,8 +91,7 @@ def prepare_chat_request(body: dict, policy: SamplingPolicy, served_model: str) 
         sent.update(NEUTRAL)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     sent.pop("max_completion_tokens", None)
-    sent["max_tokens"] = min(int(limit), policy.max_tokens_cap) if isinstance(limit, int) and limit > 0 \
-        else policy.max_tokens_cap
+    sent["max_tokens"] = min(limit, policy.max_tokens_cap) if limit else policy.max_tokens_cap
     sent.update(INJECTED)
     sent_params = {k: sent[k] for k in SAMPLING_KEYS if k in sent}
     return sent, requested, sent_params

@@ -1,0 +1,173 @@
+"""The capture proxy against the real vLLM: exact capture (JSON and streamed), true streaming, sampling
+policy, budgets, auth and isolation, malformed input, context overflow, journal recovery after kill -9."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from openenv.core.harness.training import TrainingTrace
+
+from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyServer
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
+                                          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+MESSAGES = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix the bug."}]
+
+
+def post(session, body, **kw):
+    return httpx.post(session["base_url"] + "/chat/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {session['api_key']}"}, **kw)
+
+
+def stream_events(session, body):
+    """(arrival times, parsed data payloads) of a streamed call."""
+    times, events = [], []
+    with httpx.stream("POST", session["base_url"] + "/chat/completions", json=dict(body, stream=True),
+                      headers={"x-api-key": session["api_key"]}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.perf_counter())
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    return times, events
+
+
+def test_json_capture_equals_what_vllm_returned(proxy):
+    session = proxy.client.create_session()
+    body = {"model": "hosted_vllm/mangled", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 12,
+            "logprobs": True, "return_token_ids": True}  # the agent asks too, so it sees vLLM's own fields
+    answer = post(session, body).json()
+    trace = TrainingTrace.model_validate(proxy.client.trace(session["id"]))
+    (turn,) = trace.turns
+    assert answer["model"] == "tiny"
+    assert turn.prompt_token_ids == answer["prompt_token_ids"]
+    assert turn.completion_token_ids == answer["choices"][0]["token_ids"]
+    assert turn.per_token_logps == [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]]
+    assert turn.metadata["n_tools"] == 1 and turn.metadata["requested_sampling_params"] == {"max_tokens": 12}
+    assert turn.metadata["sampling_params"]["top_p"] == 1.0 and turn.metadata["sampling_params"]["temperature"] == 1.0
+
+
+def test_injected_fields_are_hidden_from_an_agent_that_did_not_ask(proxy):
+    session = proxy.client.create_session()
+    answer = post(session, {"messages": MESSAGES, "max_tokens": 4}).json()
+    assert "prompt_token_ids" not in answer and "token_ids" not in answer["choices"][0]
+    assert answer["choices"][0]["logprobs"] is None
+    _, events = stream_events(session, {"messages": MESSAGES, "max_tokens": 4})
+    for event in events[:-1]:
+        assert "prompt_token_ids" not in event
+        assert all("token_ids" not in c and c.get("logprobs") is None for c in event["choices"])
+    assert events[-1] == "[DONE]"
+
+
+def test_streamed_capture_is_exact_and_truly_streamed(proxy):
+    session = proxy.client.create_session()
+    body = {"messages": MESSAGES, "max_tokens": 64, "min_tokens": 64, "logprobs": True, "return_token_ids": True}
+    times, events = stream_events(session, body)
+    chunks = [e for e in events if isinstance(e, dict)]
+    ids = [i for e in chunks for c in e["choices"] for i in c.get("token_ids") or []]
+    logps = [x["logprob"] for e in chunks for c in e["choices"] for x in (c.get("logprobs") or {}).get("content") or []]
+    (turn,) = TrainingTrace.model_validate(proxy.client.trace(session["id"])).turns
+    assert turn.prompt_token_ids == chunks[0]["prompt_token_ids"]
+    assert turn.completion_token_ids == ids and turn.per_token_logps == logps and len(ids) == 64
+    # chunks reached us while the engine was still generating, not replayed at the end
+    assert times[-1] - times[0] > 0.05 and len(times) > 10
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"n": 2}, "n=2"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "json_schema"),
+    ({"tool_choice": {"type": "function", "function": {"name": "bash"}}}, "forces a tool call"),
+    ({"temperature": 0}, "temperature 0"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+])
+def test_training_policy_refuses_constrained_sampling(proxy, extra, reason):
+    session = proxy.client.create_session()
+    response = post(session, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2, **extra})
+    assert response.status_code == 400 and reason in response.json()["error"]["message"]
+    assert proxy.client.session(session["id"])["calls"] == 0
+
+
+def test_neutral_sampling_and_token_cap_are_enforced(proxy):
+    session = proxy.client.create_session(policy={"temperature": 0.7, "max_tokens_cap": 5})
+    post(session, {"messages": MESSAGES, "top_p": 0.5, "top_k": 3, "presence_penalty": 1.0, "max_tokens": 99})
+    (turn,) = proxy.client.trace(session["id"])["turns"]
+    sent = turn["metadata"]["sampling_params"]
+    assert sent["top_p"] == 1.0 and sent["top_k"] == -1 and sent["presence_penalty"] == 0.0
+    assert sent["temperature"] == 0.7 and sent["max_tokens"] == 5 and len(turn["completion_token_ids"]) <= 5
+    assert turn["metadata"]["requested_sampling_params"]["top_p"] == 0.5
+
+
+def test_budget_exhausted_is_a_clean_unrecorded_stop(proxy):
+    session = proxy.client.create_session(max_model_calls=1)
+    post(session, {"messages": MESSAGES, "max_tokens": 2})
+    answer = post(session, {"messages": MESSAGES + [{"role": "user", "content": "more"}], "max_tokens": 2}).json()
+    assert answer["choices"][0]["message"]["content"] == "Step budget exhausted; stopping."
+    _, events = stream_events(session, {"messages": MESSAGES, "max_tokens": 2})
+    assert events[0]["choices"][0]["delta"]["content"] == "Step budget exhausted; stopping." and events[-1] == "[DONE]"
+    assert len(proxy.client.rollout(session["id"])["calls"]) == 1
+
+
+def test_context_overflow_is_a_clean_stop(proxy):
+    session = proxy.client.create_session()
+    huge = [{"role": "user", "content": "word " * 40000}]
+    answer = post(session, {"messages": huge, "max_tokens": 2}).json()
+    assert answer["choices"][0]["message"]["content"] == "Context length exceeded; stopping."
+    assert proxy.client.session(session["id"])["calls"] == 0
+
+
+def test_auth_admin_and_isolation(proxy):
+    a, b = proxy.client.create_session(), proxy.client.create_session()
+    post(a, {"messages": MESSAGES, "max_tokens": 2})
+    assert post({"base_url": a["base_url"], "api_key": "nobody"}, {"messages": MESSAGES}).status_code == 401
+    anonymous = httpx.Client(base_url=proxy.url, timeout=10)
+    assert anonymous.post("/sessions", json={}).status_code == 401
+    assert anonymous.get(f"/sessions/{a['id']}/trace").status_code == 401
+    as_b = ProxyClient(proxy.url, admin_key=b["api_key"])
+    with pytest.raises(Exception, match="403"):
+        as_b.trace(a["id"])
+    with pytest.raises(Exception, match="403"):
+        as_b.delete(b["id"])
+    with pytest.raises(CaptureNotTrainable, match="no agent turns"):
+        as_b.trace(b["id"])  # its own: readable, and empty
+    assert len(ProxyClient(proxy.url, admin_key=a["api_key"]).trace(a["id"])["turns"]) == 1
+    proxy.client.delete(b["id"])
+    assert post(b, {"messages": MESSAGES, "max_tokens": 2}).status_code == 401
+
+
+def test_malformed_requests_get_4xx_and_never_crash(proxy):
+    session = proxy.client.create_session()
+    headers = {"authorization": f"Bearer {session['api_key']}", "content-type": "application/json"}
+    url = session["base_url"] + "/chat/completions"
+    cases = [b"{not json", b"[1, 2]", b'"text"', b"", json.dumps({"messages": "hi"}).encode(),
+             json.dumps({"messages": []}).encode(), json.dumps({"messages": MESSAGES, "max_tokens": "many"}).encode(),
+             json.dumps({"messages": MESSAGES, "temperature": "hot"}).encode(), b"\xff\xfe\x00garbage"]
+    for body in cases:
+        response = httpx.post(url, content=body, headers=headers, timeout=60)
+        assert 400 <= response.status_code < 500, (body, response.status_code, response.text)
+    huge = httpx.post(url, content=b"x" * (40 * 1024 * 1024), headers=headers, timeout=60)
+    assert huge.status_code == 413
+    for method, path in [("GET", "/nope"), ("POST", "/v1/embeddings"), ("PUT", "/sessions"),
+                         ("GET", "/sessions/unknown-id/trace")]:
+        assert httpx.request(method, proxy.url + path, headers={"authorization": f"Bearer {proxy.admin_key}"},
+                             timeout=10).status_code in (401, 404, 405)
+    assert proxy.client.http.post("/sessions", json={"max_model_calls": "ten"}).status_code == 400
+    assert httpx.get(proxy.url + "/health", timeout=5).status_code == 200
+
+
+def test_journal_recovers_every_finished_turn_after_kill_9(engine, tmp_path):
+    with ProxyServer(engine.url, journal=tmp_path / "journal") as first:
+        session = first.client.create_session(id="crash-me", policy_version=3)
+        for n in range(3):
+            post(session, {"messages": MESSAGES + [{"role": "user", "content": f"step {n}"}], "max_tokens": 3,
+                           "tools": TOOLS})
+        before = first.client.trace("crash-me")
+        first.kill()
+    with ProxyServer(engine.url, journal=tmp_path / "journal") as second:
+        assert second.client.trace("crash-me") == before
+        assert {t["metadata"]["policy_version"] for t in before["turns"]} == {3}
+        second.client.set_policy_version(4)
+        assert second.client.session("crash-me")["policy_version"] == 4
