@@ -39,6 +39,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(proxy_args: list[str]) -> int:
+    """The proxy runs in its own environment (mitmproxy's pins): hand over to that interpreter."""
+    import os
+
+    from harness_trainer.proxy.client import proxy_python
+
+    python = proxy_python()
+    os.execv(python, [python, "-m", "harness_trainer.proxy.server", *proxy_args])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness-train",
@@ -71,10 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
     serve.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     serve.set_defaults(func=_serve)
+
+    # Listed for --help only: main() hands `proxy ...` to the proxy's own interpreter before parsing.
+    sub.add_parser("proxy", add_help=False, help="run the capture proxy (`harness-train proxy --help` lists its flags)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["proxy"]:
+        return _proxy(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -24,3 +24,10 @@ def test_model_tiny_prints_the_build(tiny_model_dir, tmp_path, capsys):
     assert main(["model", "tiny", "--out", str(tmp_path / "m")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
     assert (tmp_path / "m" / "config.json").exists()
+
+
+def test_proxy_refuses_a_public_bind_without_admin_key():
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "proxy", "--upstream", "http://127.0.0.1:9",
+                             "--host", "0.0.0.0"], capture_output=True, text=True,
+                            env={k: v for k, v in __import__("os").environ.items() if k != "HARNESS_PROXY_ADMIN_KEY"})
+    assert result.returncode == 2 and "without an admin key" in result.stderr

@@ -52,8 +52,11 @@ class Capture:
     translator: object = None
     finished: bool = False
 
-    def feed(self, data: bytes) -> bytes:
-        """mitmproxy's stream callable: raw upstream SSE bytes in, the agent's bytes out (b"" = end)."""
+    def feed(self, data: bytes) -> list[bytes]:
+        """mitmproxy's stream callable: raw upstream SSE bytes in (b"" = end), the agent's chunks out.
+
+        Returns a list: an empty bytes chunk would be sent as HTTP/1.1's terminating chunk and cut the
+        stream short, so "nothing yet" must be an empty list."""
         if self.translator is None:
             self.translator = self.dialect.stream_translator(self.asked)
         out = []
@@ -79,7 +82,8 @@ class Capture:
                 out.append(self.translator.event(raw, chunk if isinstance(chunk, dict) else None))
         if not data and not self.finished:  # the stream ended without [DONE]
             self.finish()
-        return b"".join(out)
+        body = b"".join(out)
+        return [body] if body else []
 
     def finish(self) -> None:
         if self.finished:
@@ -133,7 +137,11 @@ class CaptureAddon:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         reverse = type(flow.client_conn.proxy_mode).__name__ == "ReverseMode"
-        dialect = dialect_for(flow.request.path)
+        path = flow.request.path.split("?", 1)[0].rstrip("/")
+        if path.endswith("/messages/count_tokens"):
+            flow.response = await self.count_tokens(flow)
+            return
+        dialect = dialect_for(path)
         if dialect is None:
             if reverse:
                 flow.response = await self.control.handle(flow)
@@ -145,11 +153,15 @@ class CaptureAddon:
             return
         try:
             asked = json.loads(flow.request.get_content() or b"")
+        except (ValueError, UnicodeDecodeError) as exc:
+            flow.response = json_response(400, dialect.error(400, f"request body is not valid JSON: {exc}"))
+            return
+        try:
             if not isinstance(asked, dict):
                 raise ValueError("the body must be a JSON object")
             chat = dialect.to_chat(asked)
-        except (ValueError, UnicodeDecodeError) as exc:
-            flow.response = json_response(400, dialect.error(400, f"request body is not valid JSON: {exc}"))
+        except (ValueError, TypeError, AttributeError) as exc:
+            flow.response = json_response(400, dialect.error(400, f"invalid {dialect.name} request: {exc}"))
             return
         stream = dialect.wants_stream(asked)
         if session.max_model_calls is not None and session.started_calls >= session.max_model_calls:
@@ -192,7 +204,7 @@ class CaptureAddon:
                                           {"content-type": retried.headers.get("content-type", "application/json")})
         if response.status_code == 200:
             if capture.stream:
-                body = capture.feed(response.content) + capture.feed(b"")
+                body = b"".join(capture.feed(response.content) + capture.feed(b""))
             else:
                 answer = json.loads(response.content)
                 capture.completion = Completion.from_json(answer)
@@ -211,6 +223,27 @@ class CaptureAddon:
         except (ValueError, AttributeError):
             message = text
         flow.response = json_response(response.status_code, capture.dialect.error(response.status_code, message))
+
+    async def count_tokens(self, flow: http.HTTPFlow) -> http.Response:
+        """Anthropic's token count, answered by the engine's own tokenizer and never recorded."""
+        from harness_trainer.proxy.dialects import AnthropicDialect
+
+        dialect = AnthropicDialect()
+        session = self.store.sessions.get(session_key(flow.request) or "")
+        if session is None:
+            return json_response(401, dialect.error(401, "unknown API key"))
+        try:
+            chat = dialect.to_chat(json.loads(flow.request.get_content() or b""))
+            payload = {"model": session.model, "messages": chat["messages"], "add_generation_prompt": True}
+            if chat.get("tools"):
+                payload["tools"] = chat["tools"]
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            return json_response(400, dialect.error(400, f"invalid count_tokens request: {exc}"))
+        try:
+            answer = await self.http.post(f"{session.upstream}/tokenize", json=payload)
+            return json_response(200, {"input_tokens": answer.json()["count"]})
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            return json_response(502, dialect.error(502, f"the engine could not count tokens: {exc}"))
 
     def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool) -> http.Response:
         """A clean stop in the agent's dialect; never recorded."""

@@ -41,11 +41,11 @@ async def serve(args: argparse.Namespace) -> None:
     if args.forward_port:
         modes.append(f"regular@{args.forward_port}")
     options = Options(listen_host=args.host, mode=modes, confdir=str(confdir))
-    master = DumpMaster(options, with_termlog=False, with_dumper=False)
+    master = DumpMaster(options, with_termlog=True, with_dumper=False)
     master.options.update(
         connection_strategy="lazy",  # control routes never open an upstream connection
         body_size_limit=args.body_size_limit, ssl_insecure=True, keep_host_header=True,
-        stream_large_bodies=None)
+        stream_large_bodies=None, termlog_verbosity="warn")
     store = SessionStore(args.journal)
     master.addons.add(CaptureAddon(store, upstream=args.upstream, model=args.model, admin_key=args.admin_key,
                                    public_url=args.public_url))

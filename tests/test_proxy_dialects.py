@@ -1,0 +1,163 @@
+"""Anthropic Messages and OpenAI Responses through the proxy, JSON and streamed, read by the vendors' own
+client libraries; each call is captured exactly like a chat completion. Also: tool definitions and tool
+history translate, count_tokens is answered by the engine and not recorded, upstream faults are retried."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import anthropic
+import httpx
+import openai
+import pytest
+from openenv.core.harness.training import TrainingTrace
+
+from harness_trainer.proxy.client import ProxyServer
+
+BASH = {"name": "bash", "description": "run a command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
+
+
+def anthropic_client(proxy, session):
+    return anthropic.Anthropic(base_url=proxy.url, api_key=session["api_key"], max_retries=0)
+
+
+def test_anthropic_json_and_stream(proxy):
+    session = proxy.client.create_session(policy={"max_tokens_cap": 12})
+    client = anthropic_client(proxy, session)
+    history = [{"role": "user", "content": "list files"},
+               {"role": "assistant", "content": [{"type": "text", "text": "ok"},
+                                                 {"type": "tool_use", "id": "t1", "name": "bash", "input": {"command": "ls"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"}]}]
+    message = client.messages.create(model="claude-any", max_tokens=12, system="You are an agent.",
+                                      messages=history, tools=[BASH])
+    assert message.type == "message" and message.model == "tiny"
+    assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    with client.messages.stream(model="claude-x", max_tokens=12, messages=[{"role": "user", "content": "hi"}],
+                                tools=[BASH]) as stream:
+        streamed_text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    calls = proxy.client.rollout(session["id"])["calls"]
+    assert [c["dialect"] for c in calls] == ["anthropic", "anthropic"] and [c["stream"] for c in calls] == [False, True]
+    first = calls[0]["request"]["messages"]
+    assert first[0] == {"role": "system", "content": "You are an agent."}
+    assert first[2]["tool_calls"][0]["function"] == {"name": "bash", "arguments": json.dumps({"command": "ls"})}
+    assert first[3] == {"role": "tool", "tool_call_id": "t1", "content": "a.py"}
+    assert calls[0]["request"]["tools"][0]["function"]["parameters"] == BASH["input_schema"]
+    assert (calls[1]["message"]["content"] or "") == streamed_text
+    assert final.usage.output_tokens == len(calls[1]["completion_token_ids"])
+    trace = TrainingTrace.model_validate(proxy.client.trace(session["id"]))
+    assert len(trace.turns) == 2
+
+
+def test_anthropic_count_tokens_is_answered_not_recorded(proxy, tokenizer):
+    session = proxy.client.create_session()
+    count = anthropic_client(proxy, session).messages.count_tokens(
+        model="claude-x", messages=[{"role": "user", "content": "hello there"}])
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    assert count.input_tokens == len(expected)
+    assert proxy.client.session(session["id"])["calls"] == 0
+
+
+def test_responses_json_and_stream(proxy):
+    session = proxy.client.create_session(policy={"max_tokens_cap": 12})
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    tools = [{"type": "function", "name": "bash", "description": "run", "parameters": BASH["input_schema"]}]
+    items = [{"role": "user", "content": "list files"},
+             {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": "{\"command\": \"ls\"}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "a.py"}]
+    response = client.responses.create(model="gpt-5", instructions="You are an agent.", input=items, tools=tools,
+                                       max_output_tokens=12, store=False)
+    assert response.object == "response" and response.model == "tiny"
+    events = list(client.responses.create(model="gpt-5", input="hi", tools=tools, stream=True, store=False))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    calls = proxy.client.rollout(session["id"])["calls"]
+    assert [c["dialect"] for c in calls] == ["responses", "responses"]
+    first = calls[0]["request"]["messages"]
+    assert first[0]["role"] == "system" and first[2]["tool_calls"][0]["id"] == "c1"
+    assert first[3] == {"role": "tool", "tool_call_id": "c1", "content": "a.py"}
+    assert (calls[1]["message"]["content"] or "") == streamed
+    assert response.output_text == (calls[0]["message"]["content"] or "")
+    TrainingTrace.model_validate(proxy.client.trace(session["id"]))
+
+
+def test_responses_refuses_server_side_state(proxy):
+    session = proxy.client.create_session()
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="m", input="hi", previous_response_id="resp_1")
+
+
+def test_dialect_budget_stops_are_in_the_agents_dialect(proxy):
+    session = proxy.client.create_session(max_model_calls=0)
+    message = anthropic_client(proxy, session).messages.create(model="c", max_tokens=5,
+                                                              messages=[{"role": "user", "content": "hi"}])
+    assert message.content[0].text == "Step budget exhausted; stopping."
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    events = list(client.responses.create(model="m", input="hi", stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Step budget exhausted; stopping."
+
+
+class FlakyUpstream(BaseHTTPRequestHandler):
+    """A stub upstream for fault injection (a real vLLM cannot be made to fail on demand): answers 503
+    `failures` times, then forwards to the real engine."""
+    failures = 0
+    seen = 0
+    engine_url = ""
+
+    def do_GET(self):
+        body = httpx.get(self.engine_url + self.path, timeout=30).content
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        payload = self.rfile.read(int(self.headers["content-length"]))
+        type(self).seen += 1
+        if type(self).seen <= type(self).failures:
+            status, body = 503, b'{"error": {"message": "overloaded"}}'
+        elif json.loads(payload).get("messages", [{}])[-1].get("content") == "bad":
+            status, body = 422, b'{"error": {"message": "upstream says no"}}'
+        else:
+            answer = httpx.post(self.engine_url + self.path, content=payload, timeout=60,
+                                headers={"content-type": "application/json"})
+            status, body = answer.status_code, answer.content
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_upstream_faults_are_retried_then_passed_through(engine, tmp_path):
+    FlakyUpstream.engine_url, FlakyUpstream.failures, FlakyUpstream.seen = engine.url, 2, 0
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), FlakyUpstream)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        with ProxyServer(f"http://127.0.0.1:{stub.server_port}", model="tiny", log_path=tmp_path / "p.log") as proxy:
+            session = proxy.client.create_session()
+            headers = {"authorization": f"Bearer {session['api_key']}"}
+            ok = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
+                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            assert ok.status_code == 200 and FlakyUpstream.seen == 3  # two 503s, then the answer
+            assert len(proxy.client.trace(session["id"])["turns"]) == 1
+            bad = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
+                             json={"messages": [{"role": "user", "content": "bad"}], "max_tokens": 3})
+            assert bad.status_code == 422 and bad.json()["error"]["message"] == "upstream says no"
+            FlakyUpstream.failures, FlakyUpstream.seen = 99, 0
+            down = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            assert down.status_code == 503 and FlakyUpstream.seen == 4  # 1 + 3 retries, then passed through
+            assert proxy.client.session(session["id"])["calls"] == 1
+    finally:
+        stub.shutdown()
