@@ -53,12 +53,12 @@ def test_json_capture_equals_what_vllm_returned(proxy):
 def test_injected_fields_are_hidden_from_an_agent_that_did_not_ask(proxy):
     session = proxy.client.create_session()
     answer = post(session, {"messages": MESSAGES, "max_tokens": 4}).json()
-    assert "prompt_token_ids" not in answer and "token_ids" not in answer["choices"][0]
+    assert answer["prompt_token_ids"] is None and answer["choices"][0]["token_ids"] is None  # as vLLM says
     assert answer["choices"][0]["logprobs"] is None
     _, events = stream_events(session, {"messages": MESSAGES, "max_tokens": 4})
     for event in events[:-1]:
-        assert "prompt_token_ids" not in event
-        assert all("token_ids" not in c and c.get("logprobs") is None for c in event["choices"])
+        assert event.get("prompt_token_ids") is None
+        assert all(c.get("token_ids") is None and c.get("logprobs") is None for c in event["choices"])
     assert events[-1] == "[DONE]"
 
 
@@ -171,3 +171,24 @@ def test_journal_recovers_every_finished_turn_after_kill_9(engine, tmp_path):
         assert {t["metadata"]["policy_version"] for t in before["turns"]} == {3}
         second.client.set_policy_version(4)
         assert second.client.session("crash-me")["policy_version"] == 4
+
+
+def _visible(answer: dict) -> dict:
+    """What an agent acts on: drop per-request identifiers."""
+    return {k: v for k, v in answer.items() if k not in ("id", "created", "system_fingerprint")}
+
+
+def test_agent_sees_exactly_what_it_would_see_without_the_proxy(proxy, engine):
+    """Same request and seed, direct vs proxied: the agent-visible answer is identical (JSON and stream)."""
+    session = proxy.client.create_session()
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 16, "seed": 1234,
+            "temperature": 1.0}
+    direct = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120).json()
+    proxied = post(session, body).json()
+    assert _visible(proxied) == _visible(direct)
+    _, streamed = stream_events(session, body)
+    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", json=dict(body, stream=True), timeout=120) as r:
+        direct_events = [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+                         for line in r.iter_lines() if line.startswith("data: ")]
+    assert [_visible(e) if isinstance(e, dict) else e for e in streamed] == \
+        [_visible(e) if isinstance(e, dict) else e for e in direct_events]

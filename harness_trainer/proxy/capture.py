@@ -195,13 +195,15 @@ def event_data(event: bytes) -> str | None:
 
 
 def strip_injected(obj: dict, asked: dict) -> dict:
-    """Remove what the proxy added so the agent sees the answer it asked for."""
+    """Undo what the proxy's injected fields added, so the agent sees the answer it would have had without
+    the proxy: vLLM sends those fields as null when they were not asked for."""
     if not asked.get("return_token_ids"):
-        obj.pop("prompt_token_ids", None)
-        obj.pop("prompt_text", None)
+        for key in ("prompt_token_ids", "prompt_text"):
+            if key in obj:
+                obj[key] = None
     for choice in obj.get("choices") or []:
-        if not asked.get("return_token_ids"):
-            choice.pop("token_ids", None)
+        if not asked.get("return_token_ids") and "token_ids" in choice:
+            choice["token_ids"] = None
         if not asked.get("logprobs") and "logprobs" in choice:
             choice["logprobs"] = None
     return obj

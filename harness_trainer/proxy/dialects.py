@@ -63,6 +63,12 @@ class ChatStream:
     def event(self, raw: bytes, chunk: dict | None) -> bytes:
         if chunk is None or self.passthrough:
             return raw + b"\n\n"
+        choices = chunk.get("choices") or []
+        if choices and not chunk.get("usage") and all(
+                not c.get("delta") and not c.get("finish_reason") for c in choices):
+            # With logprobs on, vLLM sends an empty delta for a token that ends inside a UTF-8 character
+            # (its text comes with the next token); without them it sends nothing. Match that.
+            return b""
         return sse(strip_injected(chunk, self.asked))
 
     def done(self) -> bytes:
