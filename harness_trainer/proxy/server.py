@@ -29,8 +29,9 @@ def is_loopback(host: str) -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from mitmproxy.addons import core, errorcheck, next_layer, proxyserver, tlsconfig
+    from mitmproxy.master import Master
     from mitmproxy.options import Options
-    from mitmproxy.tools.dump import DumpMaster
 
     from harness_trainer.proxy.addon import CaptureAddon
     from harness_trainer.proxy.store import SessionStore
@@ -41,11 +42,15 @@ async def serve(args: argparse.Namespace) -> None:
     if args.forward_port:
         modes.append(f"regular@{args.forward_port}")
     options = Options(listen_host=args.host, mode=modes, confdir=str(confdir))
-    master = DumpMaster(options, with_termlog=True, with_dumper=False)
+    # Only the addons a proxy needs: mitmproxy calls every addon on every event, and its ~35 defaults
+    # (playback, blocklists, header rewriting, ...) cost more than the capture itself.
+    master = Master(options, with_termlog=True)
+    master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
+                      errorcheck.ErrorCheck())
     master.options.update(
         connection_strategy="lazy",  # control routes never open an upstream connection
         body_size_limit=args.body_size_limit, ssl_insecure=True, keep_host_header=True,
-        stream_large_bodies=None, termlog_verbosity="warn")
+        stream_large_bodies=None, termlog_verbosity=os.environ.get("HARNESS_PROXY_LOG_LEVEL", "warn"))
     store = SessionStore(args.journal)
     master.addons.add(CaptureAddon(store, upstream=args.upstream, model=args.model, admin_key=args.admin_key,
                                    public_url=args.public_url))

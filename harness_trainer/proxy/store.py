@@ -76,7 +76,8 @@ class SessionStore:
         return session
 
     def record(self, session: Session, call: Call) -> None:
-        self._append(session.id, {"t": "call", **asdict(call)})
+        if self.journal_dir:  # vars(), not asdict(): Call holds plain lists and dicts, no deep copy needed
+            self._append(session.id, {"t": "call", **vars(call)})
         session.calls.append(call)
 
     def set_policy_version(self, session: Session, version: int) -> None:
