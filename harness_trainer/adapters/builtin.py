@@ -1,0 +1,112 @@
+"""Builtin task sets, written out as ordinary Harbor task folders (cached) so one reader serves them all.
+
+  toy      "Write WORD into answer.txt": short, deterministic, many variants, learnable by the tiny model.
+           `builtin:toy-train` (48 tasks) and `builtin:toy-heldout` (16 tasks, words never seen in training).
+  bugfix   small real Python bug fixes (off-by-one, wrong operator, missing case, ...) with test scripts,
+           for real models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from harness_trainer.tiny_model import cache_root
+
+WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "ocean", "pixel", "amber", "cedar",
+         "delta", "ember", "frost", "grape", "harbor", "iris", "jasper", "koala", "lotus", "mango", "nectar",
+         "olive", "pepper", "quartz", "raven", "sage", "tulip", "umber", "violet", "willow", "yarrow", "zebra",
+         "acorn", "bison", "cobalt", "dune", "eagle", "fern", "garnet", "hazel", "ivory", "juniper", "kelp",
+         "lilac", "meadow", "nova", "opal", "plum", "quail", "reef", "saffron", "thistle", "upland", "vale",
+         "wren", "xenon", "yew", "zinnia", "birch", "coral", "dahlia", "elm", "fig"]
+TOY_TRAIN, TOY_HELDOUT = WORDS[:48], WORDS[48:64]
+
+TOY_TEST = """#!/bin/bash
+# Reward 1 when /app/answer.txt holds exactly the word, else 0.
+mkdir -p /logs/verifier
+if [ "$(cat /app/answer.txt 2>/dev/null | tr -d '[:space:]')" = "{word}" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+BUGS = {
+    "sum-to-n": ("mathx.py", "def sum_to(n):\n    \"\"\"1 + 2 + ... + n\"\"\"\n    return sum(range(n))\n",
+                 "assert mathx.sum_to(1) == 1 and mathx.sum_to(4) == 10 and mathx.sum_to(0) == 0",
+                 "s/range(n)/range(n + 1)/", "sum_to(n) should return 1 + 2 + ... + n but is off by one."),
+    "is-even": ("parity.py", "def is_even(n):\n    return n % 2 == 1\n",
+                "assert parity.is_even(4) and not parity.is_even(3) and parity.is_even(0)",
+                "s/== 1/== 0/", "is_even(n) returns the wrong answer for every number."),
+    "clamp": ("clamp.py", "def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n",
+              "assert clamp.clamp(5, 0, 3) == 3 and clamp.clamp(-1, 0, 3) == 0 and clamp.clamp(2, 0, 3) == 2",
+              "s/min(x, lo)/min(x, hi)/", "clamp(x, lo, hi) ignores its upper bound."),
+    "greet": ("greet.py", "def greet(name):\n    return 'Hello ' + name\n",
+              "assert greet.greet('Ada') == 'Hello, Ada!'",
+              "s/'Hello ' + name/'Hello, ' + name + '!'/", "greet('Ada') must return 'Hello, Ada!'."),
+    "last-item": ("items.py", "def last(items):\n    return items[len(items)]\n",
+                  "assert items.last([1, 2, 3]) == 3 and items.last(['a']) == 'a'",
+                  "s/items\\[len(items)\\]/items[-1]/", "last(items) raises IndexError instead of returning the last item."),
+}
+
+BUG_TEST = """#!/bin/bash
+# Reward 1 when the check passes against the agent's /app, else 0.
+mkdir -p /logs/verifier
+cd /app && if python3 -c "import {module}; {check}" 2>/logs/verifier/stderr.txt; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def _toy(root: Path, words: list[str], split: str) -> None:
+    for i, word in enumerate(words):
+        task = root / f"toy-{split}-{i:03d}-{word}"
+        _write(task / "instruction.md", f"Write the word {word} into the file answer.txt.\n")
+        _write(task / "task.toml", f'[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 30\n\n'
+                                   f'[metadata]\nset = "toy"\nsplit = "{split}"\nword = "{word}"\n')
+        _write(task / "environment" / "app" / ".keep", "")
+        _write(task / "tests" / "test.sh", TOY_TEST.format(word=word), 0o755)
+        _write(task / "solution" / "solve.sh", f"#!/bin/bash\necho {word} > answer.txt\n", 0o755)
+
+
+def _bugfix(root: Path) -> None:
+    for name, (filename, source, check, sed, instruction) in BUGS.items():
+        task = root / f"bugfix-{name}"
+        module = filename.removesuffix(".py")
+        _write(task / "instruction.md", f"In /app/{filename}: {instruction} Fix the bug.\n")
+        _write(task / "task.toml", '[agent]\ntimeout_sec = 300\n\n[verifier]\ntimeout_sec = 60\n\n'
+                                   f'[metadata]\nset = "bugfix"\n')
+        _write(task / "environment" / "app" / filename, source)
+        _write(task / "tests" / "test.sh", BUG_TEST.format(module=module, check=check), 0o755)
+        _write(task / "solution" / "solve.sh", f"#!/bin/bash\nsed -i \"{sed}\" {filename}\n", 0o755)
+
+
+SETS = {
+    "toy": lambda root: (_toy(root, TOY_TRAIN, "train"), _toy(root, TOY_HELDOUT, "heldout")),
+    "toy-train": lambda root: _toy(root, TOY_TRAIN, "train"),
+    "toy-heldout": lambda root: _toy(root, TOY_HELDOUT, "heldout"),
+    "bugfix": _bugfix,
+}
+
+
+def builtin_dataset(name: str) -> Path:
+    """The folder of builtin set `name`, written once into the cache (content-addressed by this file)."""
+    from harness_trainer.adapters.tasks import TaskError
+
+    if name not in SETS:
+        raise TaskError(f"no builtin dataset '{name}': choose one of {', '.join('builtin:' + n for n in SETS)}")
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    folder = cache_root() / "datasets" / f"{name}-{digest}"
+    if not folder.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent))
+        SETS[name](staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # a concurrent writer won; both wrote the same
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder

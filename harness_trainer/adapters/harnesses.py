@@ -1,0 +1,198 @@
+"""Harness adapters: how to run one unmodified agent program against a capture session, inside a sandbox,
+and what it did, read from its own output. Adding an agent is one small class:
+
+    name                       what --harness calls it
+    check_installed()          raise AdapterError saying how to install it
+    prepare(run) -> (command, env)   a shell command run in the sandbox's /app, and its environment;
+                               may write config files into the sandbox first
+    collect(sandbox, result) -> AgentReport
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from harness_trainer.adapters.sandbox import REPO_ROOT, ExecResult, Sandbox
+
+MINI = REPO_ROOT / ".venv-mini" / "bin" / "mini"
+OPENCODE = REPO_ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
+
+
+class AdapterError(RuntimeError):
+    """An agent program is missing or misconfigured; the message says what to do."""
+
+
+@dataclass
+class AgentRun:
+    """What the adapter needs to start an agent."""
+    instruction: str
+    base_url: str  # the capture session's OpenAI-style base URL (ends in /v1)
+    api_key: str  # the capture session id
+    model: str  # the served model id
+    step_limit: int = 30
+    timeout_s: float = 600.0
+    sandbox: Sandbox | None = None
+
+
+@dataclass
+class AgentReport:
+    """What the agent did, from its own output."""
+    completion: list[dict] = field(default_factory=list)  # the final transcript, as chat messages
+    tool_calls_by_name: dict[str, int] = field(default_factory=dict)
+    tool_failure_count: int = 0  # tool calls that failed (non-zero exit, not executed)
+    invalid_tool_calls: int = 0  # answers the harness rejected as malformed (no/unparseable tool call)
+    exit_status: str = ""
+
+    @property
+    def tool_call_count(self) -> int:
+        return sum(self.tool_calls_by_name.values())
+
+
+class Harness(Protocol):
+    name: str
+
+    def check_installed(self) -> None: ...
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]: ...
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport: ...
+
+
+def _read(sandbox: Sandbox, inside: str) -> str | None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            sandbox.download(inside, Path(tmp) / "f")
+            return (Path(tmp) / "f").read_text(errors="replace")
+        except Exception:
+            return None
+
+
+class MiniSweAgent:
+    """mini-swe-agent (PyPI), non-interactive, talking litellm's hosted_vllm provider to the session."""
+    name = "mini-swe-agent"
+
+    def check_installed(self) -> None:
+        if not MINI.exists():
+            raise AdapterError(f"mini-swe-agent is not installed at {MINI}: run `make setup`")
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        command = " ".join([
+            shlex.quote(str(MINI)), "-m", shlex.quote(f"hosted_vllm/{run.model}"), "-c", "mini.yaml",
+            "-c", shlex.quote(f"model.model_kwargs.api_base={run.base_url}"),
+            "-c", shlex.quote(f"model.model_kwargs.api_key={run.api_key}"),
+            "-c", f"agent.step_limit={run.step_limit}", "-c", "environment.cwd=/app",
+            "-y", "--exit-immediately", "-t", '"$HARNESS_TASK"', "-o", "/logs/agent/traj.json", "</dev/null"])
+        env = {"HARNESS_TASK": run.instruction, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+               "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_GLOBAL_CONFIG_DIR": "/home/.mini",
+               "MSWEA_CONFIGURED": "true", "OPENAI_API_KEY": run.api_key}
+        return "mkdir -p /logs/agent && " + command, env
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        text = _read(sandbox, "/logs/agent/traj.json")
+        if not text:
+            return AgentReport(exit_status="no trajectory")
+        traj = json.loads(text)
+        report = AgentReport(exit_status=str(traj.get("info", {}).get("exit_status", "")))
+        for message in traj.get("messages", []):
+            role = message.get("role")
+            if role == "exit":
+                continue
+            report.completion.append({k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id")
+                                      if k in message})
+            for call in message.get("tool_calls") or []:
+                name = (call.get("function") or {}).get("name", "?")
+                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+            extra = message.get("extra") or {}
+            if role == "tool" and (extra.get("returncode") not in (0, None) or extra.get("exception_info")):
+                report.tool_failure_count += 1
+            if role == "user" and str(message.get("content", "")).startswith("Tool call error"):
+                report.invalid_tool_calls += 1
+        return report
+
+
+class OpenCode:
+    """opencode (npm opencode-ai): an @ai-sdk/openai-compatible provider pointed at the session; the title
+    (small) model is routed to the same session, so its call is captured and marked auxiliary."""
+    name = "opencode"
+
+    def check_installed(self) -> None:
+        if not OPENCODE.exists():
+            raise AdapterError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        config = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+                  "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
+                  "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
+                                           "options": {"baseURL": run.base_url, "apiKey": run.api_key},
+                                           "models": {run.model: {"name": run.model, "tool_call": True,
+                                                                  "limit": {"context": 32768, "output": 1024}}}}}}
+        env = {"HARNESS_OPENCODE_CONFIG": json.dumps(config), "HARNESS_TASK": run.instruction, "PWD": "/app",
+               "XDG_CONFIG_HOME": "/home/.config", "XDG_DATA_HOME": "/home/.local/share",
+               "XDG_CACHE_HOME": "/home/.cache", "XDG_STATE_HOME": "/home/.local/state",
+               "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+               "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1"}
+        command = ("mkdir -p /logs/agent /home/.config/opencode && "
+                   "printf '%s' \"$HARNESS_OPENCODE_CONFIG\" > /home/.config/opencode/opencode.json && "
+                   f"{shlex.quote(str(OPENCODE))} run --format json \"$HARNESS_TASK\" </dev/null >/logs/agent/events.jsonl")
+        return command, env
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        report = AgentReport(exit_status=f"exit {result.returncode}")
+        text = _read(sandbox, "/logs/agent/events.jsonl") or ""
+        for line in text.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            part = event.get("part") or {}
+            if part.get("type") == "tool":
+                name = part.get("tool", "?")
+                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                if (part.get("state") or {}).get("status") == "error":
+                    report.tool_failure_count += 1
+            elif part.get("type") == "text" and part.get("text"):
+                report.completion.append({"role": "assistant", "content": part["text"]})
+        return report
+
+
+class CommandHarness:
+    """Any CLI that honours OPENAI_BASE_URL / OPENAI_API_KEY, from a template with {instruction}, {model},
+    {base_url}, {api_key} (shell-quoted when substituted)."""
+    name = "command"
+
+    def __init__(self, template: str):
+        if "{instruction}" not in template:
+            raise AdapterError("a command harness template must contain {instruction}")
+        self.template = template
+
+    def check_installed(self) -> None:
+        pass
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        values = {"instruction": run.instruction, "model": run.model, "base_url": run.base_url,
+                  "api_key": run.api_key}
+        command = self.template.format(**{k: shlex.quote(v) for k, v in values.items()})
+        return command, {"OPENAI_BASE_URL": run.base_url, "OPENAI_API_KEY": run.api_key, "OPENAI_MODEL": run.model}
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        return AgentReport(completion=[{"role": "assistant", "content": result.stdout[-8000:]}],
+                           exit_status=f"exit {result.returncode}")
+
+
+def make_harness(name: str, command: str | None = None) -> Harness:
+    if name == "mini-swe-agent":
+        return MiniSweAgent()
+    if name == "opencode":
+        return OpenCode()
+    if name == "command":
+        if not command:
+            raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
+        return CommandHarness(command)
+    if name in ("claude-code", "codex"):
+        raise AdapterError(f"the {name} adapter is not written yet: the proxy already speaks its dialect; "
+                           "use --harness command with its CLI for now")
+    raise AdapterError(f"unknown harness '{name}': choose mini-swe-agent, opencode or command")
