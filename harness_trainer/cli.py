@@ -39,6 +39,32 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness_trainer.evaluate import EvalConfig, evaluate
+
+    cfg = EvalConfig(harness=args.harness, dataset=args.dataset, model=args.model, vllm_url=args.vllm_url,
+                     policy=args.policy, n=args.n, limit=args.limit, concurrency=args.concurrency,
+                     sandbox=args.sandbox, step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
+                     temperature=args.temperature, max_tokens=args.max_tokens, reward_key=args.reward_key,
+                     output_dir=args.output_dir, agent_command=args.agent_command)
+    counts = {"ok": 0, "timeout": 0, "unscorable": 0, "wins": 0}
+    with Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn()) as bar:
+        task_id = bar.add_task("starting engine and proxy", total=None)
+
+        def progress(record, done, total):
+            counts[record.status] = counts.get(record.status, 0) + 1
+            counts["wins"] += int((record.outcome.env_reward or 0) >= 1.0)
+            bar.update(task_id, completed=done, total=total, description=(
+                f"wins {counts['wins']}  timeouts {counts['timeout']}  unscorable {counts['unscorable']}"))
+        summary, _ = evaluate(cfg, progress)
+    print(summary.table(f"{args.harness} on {args.dataset} (policy: {args.policy})"))
+    print(f"traces and rollouts in {args.output_dir}")
+    return 0
+
+
 def _proxy(proxy_args: list[str]) -> int:
     """The proxy runs in its own environment (mitmproxy's pins): hand over to that interpreter."""
     import os
@@ -83,6 +109,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     serve.set_defaults(func=_serve)
 
+    ev = sub.add_parser("eval", help="run an agent on a dataset's tasks and tabulate wins",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ev.add_argument("--harness", default="mini-swe-agent", help="mini-swe-agent, opencode or command")
+    ev.add_argument("--agent-command", default=None, help="for --harness command: a CLI template with {instruction}")
+    ev.add_argument("--dataset", default="builtin:toy-heldout",
+                    help="folder of Harbor tasks, builtin:toy|toy-train|toy-heldout|bugfix, hf:OWNER/NAME")
+    ev.add_argument("--model", default=None, help="model folder to serve (default: the embedded tiny model)")
+    ev.add_argument("--vllm-url", default=None, help="attach to a running vLLM instead of launching one")
+    ev.add_argument("--policy", default="model", choices=["model", "oracle"],
+                    help="who answers model calls: the model, or each task's known solution")
+    ev.add_argument("-n", type=int, default=1, help="rollouts per task")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    ev.add_argument("--concurrency", type=int, default=4, help="rollouts at once")
+    ev.add_argument("--sandbox", default="local", help="local (bubblewrap), e2b, docker or harbor")
+    ev.add_argument("--agent-step-limit", type=int, default=12, help="agent steps per rollout")
+    ev.add_argument("--agent-timeout", type=float, default=None, help="seconds per rollout (default: the task's)")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ev.add_argument("--max-tokens", type=int, default=512, help="cap on tokens per model call")
+    ev.add_argument("--reward-key", default="reward", help="key of reward.json to read")
+    ev.add_argument("--output-dir", default="runs/eval", help="where traces and rollout records go")
+    ev.set_defaults(func=_eval)
+
     # Listed for --help only: main() hands `proxy ...` to the proxy's own interpreter before parsing.
     sub.add_parser("proxy", add_help=False, help="run the capture proxy (`harness-train proxy --help` lists its flags)")
     return parser
@@ -97,11 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from harness_trainer.adapters.harnesses import AdapterError
+    from harness_trainer.adapters.sandbox import SandboxError
+    from harness_trainer.adapters.tasks import TaskError
     from harness_trainer.engine import EngineError
+    from harness_trainer.proxy.client import ProxyError
 
     try:
         return args.func(args)
-    except (EngineError, FileExistsError) as exc:
+    except (EngineError, FileExistsError, TaskError, SandboxError, AdapterError, ProxyError) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
         return 1
 

@@ -109,7 +109,7 @@ class MiniSweAgent:
             extra = message.get("extra") or {}
             if role == "tool" and (extra.get("returncode") not in (0, None) or extra.get("exception_info")):
                 report.tool_failure_count += 1
-            if role == "user" and str(message.get("content", "")).startswith("Tool call error"):
+            if extra.get("interrupt_type") == "FormatError":  # no/unparseable tool call, or cut off
                 report.invalid_tool_calls += 1
         return report
 
