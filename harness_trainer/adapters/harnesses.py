@@ -175,7 +175,9 @@ class CommandHarness:
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         values = {"instruction": run.instruction, "model": run.model, "base_url": run.base_url,
                   "api_key": run.api_key}
-        command = self.template.format(**{k: shlex.quote(v) for k, v in values.items()})
+        command = self.template  # plain replacement: the template may hold other braces (JSON, scripts)
+        for key, value in values.items():
+            command = command.replace("{" + key + "}", shlex.quote(value))
         return command, {"OPENAI_BASE_URL": run.base_url, "OPENAI_API_KEY": run.api_key, "OPENAI_MODEL": run.model}
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:

@@ -1,0 +1,226 @@
+"""Rollout building blocks without a model: Harbor task parsing, the bubblewrap sandbox's isolation and
+timeouts, the verifier against a planted reward, failure classes, reward plugins, credentials."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness_trainer.adapters.harnesses import CommandHarness
+from harness_trainer.adapters.sandbox import E2BSandbox, LocalSandbox, SandboxError
+from harness_trainer.adapters.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
+                                              run_rollout)
+from harness_trainer.adapters.tasks import TaskError, load_dataset, load_task
+from harness_trainer.adapters.verifier import verify
+from harness_trainer.proxy.client import ProxyClient
+from harness_trainer.rewards import RewardError, resolve_reward_fn, score
+
+# ---- tasks -------------------------------------------------------------------------------------------------
+
+
+def make_task(root: Path, name="t", toml='[agent]\ntimeout_sec = 30\n', test="echo 1 > /logs/verifier/reward.txt"):
+    task = root / name
+    (task / "tests").mkdir(parents=True)
+    (task / "instruction.md").write_text("Do the thing.\n")
+    (task / "task.toml").write_text(toml)
+    (task / "tests" / "test.sh").write_text(f"#!/bin/bash\nmkdir -p /logs/verifier\n{test}\n")
+    return task
+
+
+def test_builtin_sets_parse_with_splits():
+    train, heldout, bugfix = (load_dataset(f"builtin:{n}") for n in ("toy-train", "toy-heldout", "bugfix"))
+    assert len(train) == 48 and len(heldout) == 16 and len(bugfix) == 5
+    assert not {t.metadata["word"] for t in train} & {t.metadata["word"] for t in heldout}
+    assert all(t.solution and t.app_files() for t in train + bugfix)
+    assert len(load_dataset("builtin:toy")) == 64
+
+
+def test_task_toml_errors_name_file_and_field(tmp_path):
+    bad = make_task(tmp_path, "bad", toml="[agent]\ntimeout_sec = 'soon'\n")
+    with pytest.raises(TaskError, match=r"bad/task.toml \[agent\]: 'timeout_sec' must be a positive number"):
+        load_task(bad)
+    broken = make_task(tmp_path, "broken", toml="[agent\n")
+    with pytest.raises(TaskError, match="broken/task.toml: not valid TOML"):
+        load_task(broken)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TaskError, match="no instruction.md"):
+        load_task(tmp_path / "empty")
+    assert load_task(make_task(tmp_path, "ok")).agent_timeout_s == 30.0
+
+
+def test_dataset_spec_errors(tmp_path):
+    with pytest.raises(TaskError, match="no builtin dataset 'nope'"):
+        load_dataset("builtin:nope")
+    with pytest.raises(TaskError, match="Harbor registry"):
+        load_dataset("terminal-bench@2.0")
+    with pytest.raises(TaskError, match="unknown dataset"):
+        load_dataset("no/such/folder")
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(TaskError, match="holds no Harbor tasks"):
+        load_dataset(str(tmp_path / "nothing"))
+
+
+def test_hf_dataset_from_local_cache(tmp_path, monkeypatch):
+    """A Hub dataset repo of Harbor tasks, read from the local cache (the Hub is unreachable here)."""
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "datasets--org--tasks" / "snapshots" / ("a" * 40)
+    make_task(snapshot, "task-one")
+    (tmp_path / "hub" / "datasets--org--tasks" / "refs").mkdir(parents=True)
+    (tmp_path / "hub" / "datasets--org--tasks" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert [t.name for t in load_dataset("hf:org/tasks")] == ["task-one"]
+    with pytest.raises(TaskError, match="not in the local Hugging Face cache"):
+        load_dataset("hf:org/other")
+
+# ---- sandbox -----------------------------------------------------------------------------------------------
+
+
+def test_sandbox_isolation(tmp_path):
+    a, b = LocalSandbox(tmp_path / "trial-a"), LocalSandbox(tmp_path / "trial-b")
+    a.start(), b.start()
+    secret = a.exec("echo TOPSECRET-42 > /app/secret.txt && cat /app/secret.txt", 10)
+    assert secret.stdout == "TOPSECRET-42\n"
+    for path in ("/usr/evil", "/etc/evil", "/evil-at-root", str(tmp_path / "escape")):
+        b.exec(f"echo x > {path}", 10)
+        assert not Path(path).exists()
+    probe = b.exec(f"cat /app/secret.txt {tmp_path}/trial-a/app/secret.txt 2>&1; ls /app", 10)
+    assert "TOPSECRET-42" not in probe.stdout
+    assert (tmp_path / "trial-a" / "app" / "secret.txt").exists()
+
+
+def test_sandbox_kills_a_runaway_tree_at_the_timeout(tmp_path):
+    box = LocalSandbox(tmp_path / "t")
+    box.start()
+    marker = f"runaway-{os.getpid()}"
+    result = box.exec(f"(setsid bash -c 'exec -a {marker} sleep 300' &); "
+                      f"for i in 1 2 3; do (exec -a {marker} sleep 300 &); done; sleep 300", 2)
+    assert result.timed_out and result.seconds < 10
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert left == []
+
+
+def test_planted_reward_scores_nothing(tmp_path):
+    (task,) = load_dataset("builtin:toy-heldout")[:1]
+    box = LocalSandbox(tmp_path / "trial")
+    box.start()
+    # the "agent" plants a reward and a fake verifier instead of solving the task
+    box.exec("mkdir -p /logs/verifier && echo '{\"reward\": 1}' > /logs/verifier/reward.json && "
+             "echo 1 > /logs/verifier/reward.txt && printf '#!/bin/bash\\nexit 0\\n' > /tests/test.sh", 10)
+    assert verify(box, task).reward == 0.0
+    box.exec(f"echo {task.metadata['word']} > /app/answer.txt", 10)
+    assert verify(box, task).reward == 1.0
+
+
+def test_verifier_that_cannot_score_gives_none(tmp_path):
+    box = LocalSandbox(tmp_path / "trial")
+    box.start()
+    for test, why in [("exit 3", "neither reward.json nor reward.txt"), ("echo lots > /logs/verifier/reward.txt",
+                                                                        "not a number"),
+                      ("echo '{\"score\": 1}' > /logs/verifier/reward.json", "no number under 'reward'")]:
+        task = load_task(make_task(tmp_path / why.replace(" ", "_").replace("'", ""), test=test))
+        result = verify(box, task)
+        assert result.reward is None and why in result.detail
+    keyed = load_task(make_task(tmp_path / "keyed", test="echo '{\"score\": 0.5}' > /logs/verifier/reward.json"))
+    assert verify(box, keyed, reward_key="score").reward == 0.5
+
+
+def test_e2b_without_credentials_is_a_clear_error_with_no_network(monkeypatch):
+    monkeypatch.delenv("E2B_API_KEY", raising=False)
+    with pytest.raises(SandboxError, match="needs E2B_API_KEY"):
+        E2BSandbox(public_url="https://example.invalid")
+    monkeypatch.setenv("E2B_API_KEY", "k")
+    with pytest.raises(SandboxError, match="--public-url"):
+        E2BSandbox()
+
+# ---- rollouts and failure classes (no model needed) ----------------------------------------------------
+
+
+class TraceBreakingClient(ProxyClient):
+    """A stub of the proxy's client for fault injection: a real proxy never exports a broken trace."""
+
+    def trace(self, session_id):
+        wire = super().trace(session_id)
+        wire["turns"][0]["per_token_logps"][0] = 0.5  # a positive logprob breaks the contract
+        return wire
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, urllib.request
+    body = {"model": os.environ["OPENAI_MODEL"], "max_tokens": 4,
+            "messages": [{"role": "user", "content": sys.argv[1]}],
+            "tools": [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]}
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps(body).encode(),
+                                 {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                  "Content-Type": "application/json"})
+    print(json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"])
+""")
+
+
+def command_factory(proxy, tmp_path, tail: str, client=None, **kw) -> LocalSessionFactory:
+    import shlex
+
+    template = f"python3 -c {shlex.quote(CLIENT_SCRIPT)} {{instruction}}; {tail}"
+    return LocalSessionFactory({"max_tokens_cap": 8}, proxy=client or proxy.client, harness=CommandHarness(template),
+                               output_dir=tmp_path, **kw)
+
+
+def toy():
+    return load_dataset("builtin:toy-heldout")[0]
+
+
+def test_rollout_ok_and_timeout_keep_turns_and_score(proxy, tmp_path):
+    word = toy().metadata["word"]
+    ok = run_rollout(command_factory(proxy, tmp_path, f"echo {word} > answer.txt"), toy())
+    assert ok.status == "ok" and ok.outcome.env_reward == 1.0 and len(ok.outcome.trace) == 1
+    slow = run_rollout(command_factory(proxy, tmp_path, f"echo {word} > answer.txt; sleep 600",
+                                       agent_timeout_s=3), toy())
+    assert slow.status == "timeout" and slow.outcome.timed_out
+    assert slow.outcome.env_reward == 1.0 and len(slow.outcome.trace) == 1  # turns and score both kept
+
+
+def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
+    not_started = run_rollout(LocalSessionFactory(proxy=proxy.client, harness=CommandHarness(
+        "/no/such/agent {instruction}"), output_dir=tmp_path), toy())
+    assert not_started.status == "unscorable" and "did not start" in not_started.reason
+    assert not_started.outcome.env_reward is None and not_started.training_trace is None
+    monkeypatch.delenv("E2B_API_KEY", raising=False)
+    no_sandbox = run_rollout(command_factory(proxy, tmp_path, "true", sandbox="e2b"), toy())
+    assert no_sandbox.status == "unscorable" and "E2B_API_KEY" in no_sandbox.reason
+    dead = ProxyClient("http://127.0.0.1:9", admin_key="x", timeout_s=2)
+    no_transport = run_rollout(command_factory(proxy, tmp_path, "true", client=dead), toy())
+    assert no_transport.status == "unscorable" and "capture session" in no_transport.reason
+    broken = TraceBreakingClient(proxy.url, proxy.admin_key)
+    with pytest.raises(CaptureContractError, match="breaks the TrainingTrace contract"):
+        run_rollout(command_factory(proxy, tmp_path, "true", client=broken), toy())
+
+# ---- rewards ------------------------------------------------------------------------------------------------
+
+
+def outcome(reward, calls=3):
+    return HarnessRolloutOutcome(env_reward=reward, completion=[], trace=[], tool_call_count=calls,
+                                 tool_failure_count=0, tool_calls_by_name={"bash": calls}, timed_out=False)
+
+
+def test_reward_plugins(tmp_path, monkeypatch):
+    assert resolve_reward_fn(None)(outcome(0.5)) == 0.5
+    bonus = resolve_reward_fn("verifier+tools")
+    assert bonus(outcome(1.0, calls=3)) == pytest.approx(1.0 + 0.3 * 0.8)
+    assert bonus(outcome(0.0, calls=1)) == 0.0 and bonus(outcome(None)) is None
+    (tmp_path / "my_rewards.py").write_text("def short(o):\n    return None if o.env_reward is None else -o.tool_call_count\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = resolve_reward_fn("my_rewards:short")
+    assert score(fn, outcome(1.0, calls=4)) == -4.0 and score(fn, outcome(None)) is None
+    assert resolve_reward_fn(lambda o: 2.0)(outcome(0)) == 2.0
+    with pytest.raises(RewardError, match="cannot import"):
+        resolve_reward_fn("my_rewards:missing")
+    with pytest.raises(RewardError, match="must return a finite number"):
+        score(lambda o: float("nan"), outcome(1.0))
