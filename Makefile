@@ -17,6 +17,8 @@ demo: setup
 
 bench: setup
 	$(PY) bench/engine.py
+	$(PY) bench/proxy.py
+	$(PY) bench/rollouts.py
 
 clean:
 	rm -rf .venv .venv-engine .venv-proxy .venv-mini .tools .setup-stamps
