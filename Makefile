@@ -4,7 +4,7 @@ PY := .venv/bin/python
 .PHONY: setup test test-slow demo bench clean
 
 setup:
-	@bash scripts/setup.sh
+	@HARBOR=$(HARBOR) bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest

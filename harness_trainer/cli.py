@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("-n", type=int, default=1, help="rollouts per task")
     ev.add_argument("--limit", type=int, default=None, help="only the first N tasks")
     ev.add_argument("--concurrency", type=int, default=4, help="rollouts at once")
-    ev.add_argument("--sandbox", default="local", help="local (bubblewrap), e2b, docker or harbor")
+    ev.add_argument("--sandbox", default="local",
+                    help="local (bubblewrap), e2b, docker, or harbor[:ENV] (any Harbor environment type)")
     ev.add_argument("--agent-step-limit", type=int, default=12, help="agent steps per rollout")
     ev.add_argument("--agent-timeout", type=float, default=None, help="seconds per rollout (default: the task's)")
     ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")

@@ -36,6 +36,7 @@ def save_weights(model, directory: str | Path) -> Path:
 
 
 def _post(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:
+    """POST one step; a failed reload step warns that the engine may now be unusable."""
     try:
         response = client.post(url, **kwargs)
     except httpx.TimeoutException:
@@ -43,9 +44,11 @@ def _post(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"weight sync step '{step}' could not reach {url}: {exc}") from None
     if not response.is_success:
+        after = (" A reload that failed inside vLLM can leave it unable to serve: restart the engine."
+                 if step == "reload_weights" else "")
         raise WeightSyncError(
             f"weight sync step '{step}' failed: HTTP {response.status_code} from {url}: {response.text[:500]}. "
-            "The server needs VLLM_SERVER_DEV_MODE=1 (harness-train serve sets it).")
+            f"The server needs VLLM_SERVER_DEV_MODE=1 (harness-train serve sets it).{after}")
     return response
 
 
@@ -54,10 +57,16 @@ def reload_weights(server, checkpoint_dir: str | Path, version: int | str, timeo
 
     `server` is a URL or anything with a `.url` (a VLLMServer)."""
     base = (server if isinstance(server, str) else server.url).rstrip("/")
+    checkpoint = Path(checkpoint_dir).resolve()
+    # Checked here, before the engine is touched: vLLM's in-place reload moves layers off their device
+    # first, so a reload that fails halfway leaves the engine unable to serve (EngineDeadError).
+    if not checkpoint.is_dir() or not any(checkpoint.glob("*.safetensors")):
+        raise WeightSyncError(f"weight sync step 'reload_weights' refused: {checkpoint} holds no *.safetensors "
+                              "weights (write them with save_weights(model, dir) first); the engine was not touched")
     started = time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
         _post(client, f"{base}/collective_rpc", "reload_weights", json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(Path(checkpoint_dir).resolve())},
+            "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)},
             "timeout": timeout_s})
         # The reset fails while requests still hold cached blocks; they drain quickly, so retry briefly.
         deadline = time.monotonic() + timeout_s

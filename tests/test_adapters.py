@@ -224,3 +224,34 @@ def test_reward_plugins(tmp_path, monkeypatch):
         resolve_reward_fn("my_rewards:missing")
     with pytest.raises(RewardError, match="must return a finite number"):
         score(lambda o: float("nan"), outcome(1.0))
+
+
+def test_docker_without_a_daemon_is_a_clear_error(tmp_path):
+    import shutil
+
+    from harness_trainer.adapters.sandbox import make_sandbox
+
+    if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+        pytest.skip("a Docker daemon is running here")
+    with pytest.raises(SandboxError, match="--sandbox docker needs"):
+        make_sandbox("docker", tmp_path)
+
+
+def test_harbor_sandbox_errors_are_clear(tmp_path, monkeypatch):
+    from harness_trainer.adapters.sandbox import REPO_ROOT, make_sandbox
+
+    monkeypatch.setenv("HARNESS_HARBOR_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(SandboxError, match="make setup HARBOR=1"):
+        make_sandbox("harbor:docker", tmp_path / "t")
+    monkeypatch.delenv("HARNESS_HARBOR_PYTHON")
+    if not (REPO_ROOT / ".venv-harbor" / "bin" / "python").exists():
+        pytest.skip("the Harbor environment is built only on request (make setup HARBOR=1)")
+    task = make_task(tmp_path, "with-docker")
+    (task / "environment").mkdir()
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\n")
+    box = make_sandbox("harbor:docker", tmp_path / "trial", task_dir=task)
+    try:
+        with pytest.raises(SandboxError, match="Harbor environment 'docker' failed to start"):
+            box.start()
+    finally:
+        box.stop()

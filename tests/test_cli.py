@@ -31,3 +31,8 @@ def test_proxy_refuses_a_public_bind_without_admin_key():
                              "--host", "0.0.0.0"], capture_output=True, text=True,
                             env={k: v for k, v in __import__("os").environ.items() if k != "HARNESS_PROXY_ADMIN_KEY"})
     assert result.returncode == 2 and "without an admin key" in result.stderr
+
+
+def test_eval_with_unknown_dataset_is_a_clear_error_before_anything_starts(capsys):
+    assert main(["eval", "--dataset", "builtin:nope"]) == 1
+    assert "no builtin dataset 'nope'" in capsys.readouterr().err

@@ -106,9 +106,12 @@ def test_reload_weights_moves_vllm_to_new_weights(engine, tokenizer, perturbed_m
     assert weight_version(engine) == "step-1"
 
 
-def test_reload_of_missing_checkpoint_raises_clear_error(engine, tmp_path):
-    with pytest.raises(WeightSyncError, match="reload_weights"):
-        reload_weights(engine, tmp_path / "nothing-here", version="x", timeout_s=60)
+def test_reload_of_missing_checkpoint_is_refused_and_the_engine_keeps_serving(engine, tmp_path, tokenizer):
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "nothing-here", tmp_path / "empty"):
+        with pytest.raises(WeightSyncError, match="holds no \\*.safetensors weights"):
+            reload_weights(engine, bad, version="x", timeout_s=60)
+    assert len(teacher_forced_logprobs(engine, [1, 2, 3, 4])) == 3  # not touched: still serving
 
 
 def _assert_group_gone(pgid):

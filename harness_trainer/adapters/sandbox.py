@@ -8,7 +8,9 @@
 `local` needs no container runtime: each exec is a bubblewrap jail with a fresh tmpfs root, the system dirs
 and the agent programs bound read-only, per-trial writable /app /logs /tests and HOME, its own PID namespace
 (when its first process ends, the kernel kills every process left in it), and the host network (so the agent
-reaches the capture proxy on 127.0.0.1). `e2b` runs in E2B's cloud; `docker` needs a Docker daemon.
+reaches the capture proxy on 127.0.0.1). `e2b` runs in E2B's cloud; `docker` needs a Docker daemon;
+`harbor[:ENV]` delegates to any Harbor environment backend through a bridge process in Harbor's own
+Python 3.12 environment.
 """
 
 from __future__ import annotations
@@ -58,17 +60,12 @@ def agent_program_paths() -> list[Path]:
     return sorted(paths)
 
 
-class LocalSandbox:
-    """bubblewrap jail per exec, over a trial directory on the host."""
+class TrialDirs:
+    """A trial directory on the host whose subdirs are the sandbox's writable /app /logs /tests /home /tmp:
+    files move in and out by plain copies, whatever runs the commands."""
 
-    def __init__(self, trial_dir: str | Path, *, readonly: list[Path] | None = None, max_file_mb: int = 1024,
-                 max_open_files: int = 4096):
-        if not shutil.which("bwrap"):
-            raise SandboxError("the local sandbox needs bubblewrap: `apt-get install bubblewrap` (make setup does "
-                               "this as root), or choose --sandbox e2b|docker")
+    def __init__(self, trial_dir: str | Path):
         self.trial = Path(trial_dir).resolve()
-        self.readonly = readonly if readonly is not None else agent_program_paths()
-        self.limits = f"ulimit -f {max_file_mb * 1024}; ulimit -n {max_open_files}; ulimit -c 0"
 
     def host_path(self, inside: str) -> Path:
         """The host path behind a path inside the jail (only the writable dirs are mapped)."""
@@ -80,40 +77,6 @@ class LocalSandbox:
     def start(self) -> None:
         for name in SANDBOX_DIRS:
             (self.trial / name).mkdir(parents=True, exist_ok=True)
-
-    def _argv(self, command: str, env: dict[str, str]) -> list[str]:
-        argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--tmpfs", "/", "--proc", "/proc", "--dev", "/dev"]
-        for top in ("usr", "etc", "opt", "bin", "sbin", "lib", "lib64"):
-            path = Path("/") / top
-            if path.is_symlink():
-                argv += ["--symlink", os.readlink(path), str(path)]
-            elif path.is_dir():
-                argv += ["--ro-bind", str(path), str(path)]
-        for path in self.readonly:
-            argv += ["--ro-bind", str(path), str(path)]
-        for name in SANDBOX_DIRS:
-            argv += ["--bind", str(self.trial / name), f"/{name}"]
-        argv += ["--clearenv", "--chdir", "/app"]
-        for key, value in env.items():
-            argv += ["--setenv", key, value]
-        return argv + ["bash", "-c", f"{self.limits}; {command}"]
-
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
-        full_env = {"HOME": "/home", "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
-                    **(env or {})}
-        started = time.perf_counter()
-        process = subprocess.Popen(self._argv(command, full_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   stdin=subprocess.DEVNULL, start_new_session=True, text=True, errors="replace")
-        try:
-            stdout, stderr = process.communicate(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            # Killing the jail's process group takes its PID namespace, and with it every process inside.
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            timed_out = True
-        return ExecResult(process.returncode, stdout, stderr, timed_out, time.perf_counter() - started)
 
     def upload(self, src: Path, dst: str) -> None:
         target = self.host_path(dst)
@@ -135,8 +98,102 @@ class LocalSandbox:
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, exist_ok=True)
 
+
+def _run(argv: list[str], timeout_s: float, on_timeout) -> ExecResult:
+    started = time.perf_counter()
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               start_new_session=True, text=True, errors="replace")
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        on_timeout(process)
+        stdout, stderr = process.communicate()
+        timed_out = True
+    return ExecResult(process.returncode, stdout, stderr, timed_out, time.perf_counter() - started)
+
+
+BASE_ENV = {"HOME": "/home", "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
+
+
+class LocalSandbox(TrialDirs):
+    """bubblewrap jail per exec, over a trial directory on the host."""
+
+    def __init__(self, trial_dir: str | Path, *, readonly: list[Path] | None = None, max_file_mb: int = 1024,
+                 max_open_files: int = 4096):
+        if not shutil.which("bwrap"):
+            raise SandboxError("the local sandbox needs bubblewrap: `apt-get install bubblewrap` (make setup does "
+                               "this as root), or choose --sandbox e2b|docker")
+        super().__init__(trial_dir)
+        self.readonly = readonly if readonly is not None else agent_program_paths()
+        self.limits = f"ulimit -f {max_file_mb * 1024}; ulimit -n {max_open_files}; ulimit -c 0"
+
+    def _argv(self, command: str, env: dict[str, str]) -> list[str]:
+        argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--tmpfs", "/", "--proc", "/proc", "--dev", "/dev"]
+        for top in ("usr", "etc", "opt", "bin", "sbin", "lib", "lib64"):
+            path = Path("/") / top
+            if path.is_symlink():
+                argv += ["--symlink", os.readlink(path), str(path)]
+            elif path.is_dir():
+                argv += ["--ro-bind", str(path), str(path)]
+        for path in self.readonly:
+            argv += ["--ro-bind", str(path), str(path)]
+        for name in SANDBOX_DIRS:
+            argv += ["--bind", str(self.trial / name), f"/{name}"]
+        argv += ["--clearenv", "--chdir", "/app"]
+        for key, value in env.items():
+            argv += ["--setenv", key, value]
+        return argv + ["bash", "-c", f"{self.limits}; {command}"]
+
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+        # At the timeout, killing the jail's process group takes its PID namespace and every process inside.
+        return _run(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s,
+                    lambda process: os.killpg(process.pid, signal.SIGKILL))
+
     def stop(self) -> None:
         pass  # nothing outlives an exec; the trial directory stays as the rollout's record
+
+
+class DockerSandbox(TrialDirs):
+    """One container per trial (`docker run -d ... sleep infinity`), the trial's dirs bind-mounted and the
+    agent programs mounted read-only; each exec is `docker exec`, and afterwards every process but the
+    container's init is killed, so nothing the agent started outlives its turn. The image needs bash (and
+    node for opencode)."""
+
+    def __init__(self, trial_dir: str | Path, image: str = "python:3.11-slim"):
+        if not shutil.which("docker"):
+            raise SandboxError("--sandbox docker needs the docker CLI and a running daemon; use --sandbox local")
+        info = subprocess.run(["docker", "info"], capture_output=True, text=True)
+        if info.returncode != 0:
+            raise SandboxError("--sandbox docker needs a running Docker daemon (`docker info` fails: "
+                               f"{(info.stderr or info.stdout).strip()[:200]}); use --sandbox local (bubblewrap)")
+        super().__init__(trial_dir)
+        self.image = image
+        self.name = f"harness-trial-{os.getpid()}-{abs(hash(self.trial)) % 10**8}"
+
+    def start(self) -> None:
+        super().start()
+        argv = ["docker", "run", "-d", "--rm", "--name", self.name, "--network", "host", "-w", "/app"]
+        for name in SANDBOX_DIRS:
+            argv += ["-v", f"{self.trial / name}:/{name}"]
+        for path in agent_program_paths():
+            argv += ["-v", f"{path}:{path}:ro"]
+        result = subprocess.run(argv + [self.image, "sleep", "infinity"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
+
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+        argv = ["docker", "exec"]
+        for key, value in {**BASE_ENV, **(env or {})}.items():
+            argv += ["-e", f"{key}={value}"]
+        result = _run(argv + [self.name, "bash", "-c", command], timeout_s,
+                      lambda process: os.killpg(process.pid, signal.SIGKILL))
+        subprocess.run(["docker", "exec", self.name, "sh", "-c", "kill -9 -1"], capture_output=True)
+        return result
+
+    def stop(self) -> None:
+        subprocess.run(["docker", "rm", "-f", self.name], capture_output=True)
 
 
 class E2BSandbox:
@@ -193,17 +250,73 @@ class E2BSandbox:
             self.box = None
 
 
+class HarborSandbox:
+    """Any of Harbor's environment backends (docker, modal, daytona, e2b, ... or `module:Class`), driven
+    through `harbor_bridge.py` in the Harbor environment (`make setup HARBOR=1`: harbor needs Python 3.12)."""
+
+    def __init__(self, trial_dir: str | Path, environment: str, task_dir: Path | None = None):
+        python = Path(os.environ.get("HARNESS_HARBOR_PYTHON", REPO_ROOT / ".venv-harbor" / "bin" / "python"))
+        if not python.exists():
+            raise SandboxError("--sandbox harbor needs the Harbor environment: run `make setup HARBOR=1` "
+                               "(harbor requires Python >= 3.12), or set HARNESS_HARBOR_PYTHON")
+        self.trial = Path(trial_dir).resolve()
+        self.environment, self.task_dir = environment, task_dir
+        self.bridge = subprocess.Popen([str(python), str(Path(__file__).with_name("harbor_bridge.py"))],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True, start_new_session=True)
+
+    def _call(self, **request) -> dict:
+        import json
+
+        self.bridge.stdin.write(json.dumps(request) + "\n")
+        self.bridge.stdin.flush()
+        line = self.bridge.stdout.readline()
+        if not line:
+            raise SandboxError(f"the Harbor bridge exited (code {self.bridge.poll()}) during '{request['op']}'")
+        answer = json.loads(line)
+        if not answer.pop("ok"):
+            raise SandboxError(f"Harbor environment '{self.environment}' failed to {request['op']}: {answer['error']}")
+        return answer
+
+    def start(self) -> None:
+        env_dir = (self.task_dir / "environment") if self.task_dir else self.trial / "environment"
+        env_dir.mkdir(parents=True, exist_ok=True)
+        self._call(op="start", type=self.environment, environment_dir=str(env_dir), name=self.trial.name,
+                   trial_dir=str(self.trial))
+        self.exec("mkdir -p /app /logs/verifier /tests /home", 60)
+
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+        started = time.perf_counter()
+        a = self._call(op="exec", command=command, timeout_s=timeout_s, env={**BASE_ENV, **(env or {})})
+        return ExecResult(a["returncode"], a["stdout"], a["stderr"], a["timed_out"], time.perf_counter() - started)
+
+    def upload(self, src: Path, dst: str) -> None:
+        self._call(op="upload", src=str(Path(src).resolve()), dst=dst)
+
+    def download(self, src: str, dst: Path) -> None:
+        self._call(op="download", src=src, dst=str(Path(dst).resolve()))
+
+    def clear(self, inside: str) -> None:
+        self.exec(f"rm -rf {inside} && mkdir -p {inside}", 60)
+
+    def stop(self) -> None:
+        if self.bridge.poll() is None:
+            try:
+                self._call(op="stop")
+            except SandboxError:
+                pass
+            self.bridge.kill()
+            self.bridge.wait()
+
+
 def make_sandbox(kind: str, trial_dir: Path, **options) -> Sandbox:
     if kind == "local":
         return LocalSandbox(trial_dir)
     if kind == "e2b":
         return E2BSandbox(public_url=options.get("public_url"))
     if kind == "docker":
-        if not shutil.which("docker") or subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-            raise SandboxError("--sandbox docker needs a running Docker daemon (`docker info` fails here); "
-                               "use --sandbox local (bubblewrap) instead")
-        raise SandboxError("--sandbox docker is not implemented yet; use --sandbox local")
-    if kind == "harbor":
-        raise SandboxError("--sandbox harbor needs the harbor package in its own Python >= 3.12 environment, "
-                           "which `make setup` does not build yet; use --sandbox local")
-    raise SandboxError(f"unknown sandbox '{kind}': choose local, e2b, docker or harbor")
+        return DockerSandbox(trial_dir, image=options.get("image") or "python:3.11-slim")
+    if kind == "harbor" or kind.startswith("harbor:"):
+        return HarborSandbox(trial_dir, kind.partition(":")[2] or "docker", options.get("task_dir"))
+    raise SandboxError(f"unknown sandbox '{kind}': choose local, e2b, docker or harbor[:ENV] (ENV: any Harbor "
+                       "environment type, e.g. docker, modal, daytona, or module:Class)")

@@ -87,7 +87,7 @@ class LocalSession:
             self.error = f"could not create a capture session: {exc}"
             return
         try:
-            self.sandbox = f.make_sandbox(self.trial_dir)
+            self.sandbox = f.make_sandbox(self.trial_dir, self.task)
             self.sandbox.start()
             if app := self.task.app_files():
                 self.sandbox.upload(app, "/app")
@@ -171,8 +171,8 @@ class LocalSessionFactory:
         self.max_model_calls = max_model_calls if max_model_calls is not None else step_limit * 2 + 4
         self.reward_key = reward_key
 
-    def make_sandbox(self, trial_dir: Path) -> Sandbox:
-        return make_sandbox(self.sandbox_kind, trial_dir, public_url=self.public_url)
+    def make_sandbox(self, trial_dir: Path, task: Task) -> Sandbox:
+        return make_sandbox(self.sandbox_kind, trial_dir, public_url=self.public_url, task_dir=task.path)
 
     def agent_base_url(self, capture: dict) -> str:
         if self.public_url:
