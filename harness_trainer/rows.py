@@ -1,0 +1,163 @@
+"""Traces -> training sequences, exactly, and packed so no context is fed twice.
+
+1. Chains. In one rollout's TrainingTrace, a turn's parent is the turn whose prompt+completion is the longest
+   exact prefix of its prompt (no re-tokenising, no re-alignment: any drift simply starts a new root). Each
+   root-to-leaf path is one chain: the leaf's prompt+completion, in which every turn on the path supervises
+   its own completion span (where its loss mask is 1) with its behaviour logprobs.
+2. Exactly once. A turn shared by two branches (a fork) appears in both chains but is supervised only in
+   the first; every sampled token is trained exactly once.
+3. Prefix tree. All chains of a step go into one token trie: context tokens merge wherever their whole
+   prefix is the same (across forks of a rollout and across the G rollouts of a group, which share system
+   prompt and task); sampled tokens merge only with themselves (same rollout, turn, offset). The trie is fed
+   to the model as one flat sequence with a tree attention mask (a token sees exactly its ancestors) and
+   position ids = depth, which gives every token the same hidden state it has in its own chain:
+
+        logp(node) = log_softmax(logits[parent(node)])[token(node)]
+
+   so the loss and its gradients equal the one-row-per-chain computation, at the cost of unique tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from openenv.core.harness.training import TrainingTrace
+
+
+@dataclass
+class Chain:
+    rollout: int  # index of the rollout (its advantage) in the step
+    ids: list[int]
+    origin: list[tuple | None]  # per position: (rollout, node_id, offset) for sampled tokens, None for context
+    trained: list[bool]  # per position: supervised in this chain
+    behaviour: list[float]  # per position: behaviour logprob (0.0 where not trained)
+    version: list[int]  # per position: policy version that sampled it (-1 for context)
+
+
+def _parents(turns) -> dict[str, str | None]:
+    full = {t.node_id: t.prompt_token_ids + t.completion_token_ids for t in turns}
+    parents = {}
+    for t in turns:
+        best, best_len = None, -1
+        for other in turns:
+            seq = full[other.node_id]
+            if other is not t and len(seq) <= len(t.prompt_token_ids) and len(seq) > best_len \
+                    and t.prompt_token_ids[:len(seq)] == seq:
+                best, best_len = other.node_id, len(seq)
+        parents[t.node_id] = best
+    return parents
+
+
+def chains_from_trace(trace: TrainingTrace, rollout: int, seen: set | None = None) -> list[Chain]:
+    """One chain per root-to-leaf path; `seen` (shared across calls) makes each turn supervised once."""
+    turns = {t.node_id: t for t in trace.turns}
+    parents = _parents(trace.turns)
+    has_child = {p for p in parents.values() if p}
+    seen = set() if seen is None else seen
+    chains = []
+    for leaf in (t for t in trace.turns if t.node_id not in has_child):
+        path, node = [], leaf.node_id
+        while node:
+            path.append(turns[node])
+            node = parents[node]
+        path.reverse()
+        ids = leaf.prompt_token_ids + leaf.completion_token_ids
+        origin: list[tuple | None] = [None] * len(ids)
+        trained, behaviour, version = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+        for turn in path:
+            start = len(turn.prompt_token_ids)
+            supervise = (rollout, turn.node_id) not in seen
+            seen.add((rollout, turn.node_id))
+            v = int(turn.metadata.get("policy_version", 0) or 0)
+            for k, (mask, logp) in enumerate(zip(turn.loss_mask[start:], turn.per_token_logps)):
+                origin[start + k] = (rollout, turn.node_id, k)
+                version[start + k] = v
+                if supervise and mask == 1:
+                    trained[start + k], behaviour[start + k] = True, float(logp)
+        chains.append(Chain(rollout, ids, origin, trained, behaviour, version))
+    return chains
+
+
+@dataclass
+class PackedTree:
+    """A prefix tree of chains, flattened in depth-first order (every parent before its children)."""
+    ids: torch.Tensor  # [N] token ids
+    parent: torch.Tensor  # [N] index of the parent node, -1 for roots
+    depth: torch.Tensor  # [N] position ids
+    trained: torch.Tensor  # [N] bool
+    behaviour: torch.Tensor  # [N] behaviour logprobs (0 where not trained)
+    rollout: torch.Tensor  # [N] rollout index of trained tokens (-1 otherwise)
+    version: torch.Tensor  # [N] policy version that sampled the token (-1 for context)
+    chain_tokens: int = 0  # tokens the same chains would feed as separate rows
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def attention_mask(self, dtype=torch.float32) -> torch.Tensor:
+        """[1, 1, N, N] additive mask: 0 where a token may attend (itself and its ancestors), -inf elsewhere."""
+        n = len(self)
+        allowed = torch.zeros(n, n, dtype=torch.bool)
+        parent = self.parent.tolist()
+        for i in range(n):  # parents come first, so a node's row is its parent's row plus itself
+            if parent[i] >= 0:
+                allowed[i] = allowed[parent[i]]
+            allowed[i, i] = True
+        mask = torch.zeros(n, n, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+
+@dataclass
+class _Node:
+    token: int
+    children: dict = field(default_factory=dict)
+    index: int = -1
+    trained: bool = False
+    behaviour: float = 0.0
+    rollout: int = -1
+    version: int = -1
+
+
+def pack(chains: list[Chain]) -> PackedTree:
+    root = _Node(-1)
+    for chain in chains:
+        node = root
+        for pos, token in enumerate(chain.ids):
+            key = (token, chain.origin[pos])
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node(token, version=chain.version[pos])
+            if chain.trained[pos]:
+                child.trained, child.behaviour, child.rollout = True, chain.behaviour[pos], chain.rollout
+            node = child
+    ids, parent, depth, trained, behaviour, rollout, version = [], [], [], [], [], [], []
+    stack = [(child, -1, 0) for child in reversed(list(root.children.values()))]
+    while stack:
+        node, par, d = stack.pop()
+        node.index = len(ids)
+        ids.append(node.token), parent.append(par), depth.append(d), trained.append(node.trained)
+        behaviour.append(node.behaviour), rollout.append(node.rollout), version.append(node.version)
+        stack.extend((child, node.index, d + 1) for child in reversed(list(node.children.values())))
+    return PackedTree(torch.tensor(ids), torch.tensor(parent), torch.tensor(depth), torch.tensor(trained),
+                      torch.tensor(behaviour, dtype=torch.float32), torch.tensor(rollout), torch.tensor(version),
+                      chain_tokens=sum(len(c.ids) for c in chains))
+
+
+def tree_logprobs(model, tree: PackedTree, temperature: float = 1.0) -> torch.Tensor:
+    """Logprob under `model` of every trained token of the tree, in tree order ([T], with gradients)."""
+    logits = model(input_ids=tree.ids[None], position_ids=tree.depth[None],
+                   attention_mask=tree.attention_mask(next(model.parameters()).dtype)).logits[0]
+    targets = torch.nonzero(tree.trained).squeeze(-1)
+    context = tree.parent[targets]
+    logp = torch.log_softmax(logits[context].float() / temperature, dim=-1)
+    return logp.gather(-1, tree.ids[targets][:, None]).squeeze(-1)
+
+
+def chain_logprobs(model, chain: Chain, temperature: float = 1.0) -> torch.Tensor:
+    """The naive path: one causal row per chain (for tests and benchmarks)."""
+    ids = torch.tensor(chain.ids)[None]
+    logits = model(input_ids=ids).logits[0]
+    targets = torch.tensor([i for i, t in enumerate(chain.trained) if t], dtype=torch.long)
+    logp = torch.log_softmax(logits[targets - 1].float() / temperature, dim=-1)
+    return logp.gather(-1, ids[0, targets][:, None]).squeeze(-1)
