@@ -19,6 +19,7 @@ bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
 	$(PY) bench/rollouts.py
+	$(PY) bench/trainer.py
 
 clean:
-	rm -rf .venv .venv-engine .venv-proxy .venv-mini .tools .setup-stamps
+	rm -rf .venv .venv-engine .venv-proxy .venv-mini .venv-harbor .tools .setup-stamps
