@@ -131,7 +131,8 @@ class CaptureAddon:
         return self.store.create(
             upstream=body.get("upstream") or self.upstream, model=body["model"], session_id=body.get("id"),
             policy=SamplingPolicy.from_dict(body.get("policy")), max_model_calls=body.get("max_model_calls"),
-            policy_version=int(body.get("policy_version", 0)), metadata=body.get("metadata") or {})
+            policy_version=int(body.get("policy_version", self.store.current_version)),
+            metadata=body.get("metadata") or {})
 
     # ---- hooks ---------------------------------------------------------------------------------------------
 

@@ -91,6 +91,7 @@ class ControlRoutes:
             version = body.get("policy_version")
             if not isinstance(version, int) or isinstance(version, bool):
                 return _error(400, "'policy_version' must be an integer")
+            store.current_version = version  # sessions minted from now on start at this version too
             for session in list(store.sessions.values()):
                 store.set_policy_version(session, version)
             return json_response(200, {"policy_version": version, "sessions": len(store.sessions)})

@@ -23,6 +23,7 @@ from harness_trainer.proxy.rollout import SESSION_ID, Call, Session
 class SessionStore:
     def __init__(self, journal_dir: str | Path | None = None):
         self.sessions: dict[str, Session] = {}
+        self.current_version = 0  # the trainer's latest policy version (POST /policy_version)
         self.journal_dir = Path(journal_dir) if journal_dir else None
         if self.journal_dir:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
@@ -55,6 +56,7 @@ class SessionStore:
                     session.calls.append(Call(**record))
                 elif kind == "version" and session:
                     session.policy_version = record["policy_version"]
+                    self.current_version = max(self.current_version, session.policy_version)
             if session:
                 session.started_calls = len(session.calls)
                 self.sessions[session.id] = session

@@ -1,0 +1,282 @@
+"""Async GRPO over unmodified agents: rollouts keep running while the trainer steps.
+
+    for each step:
+        fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task)
+        take the oldest finished group; drop it if its turns are more than max_staleness versions old
+        rewards -> group advantages -> chains -> prefix-tree packing -> loss -> optimizer step
+        every weight_sync_steps: weights -> the same vLLM (reload), version += 1 in vLLM and the proxy,
+                                 probe: vLLM's teacher-forced logprobs must equal the trainer's
+        every save_steps: checkpoint (model, optimizer, step, version, RNG, dataset position)
+
+Staleness is read from the policy version the proxy stamped on each captured turn, not from dispatch time.
+A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
+from harness_trainer.adapters.tasks import Task
+from harness_trainer.engine import teacher_forced_logprobs
+from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
+from harness_trainer.rewards import resolve_reward_fn, score
+from harness_trainer.rows import chains_from_trace, pack, tree_logprobs
+from harness_trainer.traces import TrainingTrace
+from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights
+
+log = logging.getLogger("harness_trainer")
+
+
+@dataclass
+class AsyncGRPOConfig:
+    output_dir: str = "runs/grpo"
+    vllm_server_base_url: str | None = None
+    num_generations: int = 4
+    max_concurrent_rollouts: int = 4
+    max_staleness: int = 2
+    max_steps: int = 10
+    learning_rate: float = 1e-5
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    max_completion_tokens: int = 256
+    weight_sync_steps: int = 1
+    weight_sync_timeout_s: float = 120.0
+    probe_tolerance: float = 1e-3
+    logging_steps: int = 1
+    save_steps: int = 5
+    save_total_limit: int = 2
+    loss_mode: str = "decoupled"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    is_mode: str = "tis"
+    is_bound: float = 2.0
+    kl_beta: float = 0.0
+    scale_rewards: bool = False
+    seed: int = 0
+    resume_from_checkpoint: str | None = None
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a failed weight sync, a probe mismatch); the message says why."""
+
+
+class HarnessAsyncGRPOTrainer:
+    def __init__(self, model, harness_session_factory, args: AsyncGRPOConfig, train_dataset: list[Task],
+                 rollout_reward_fn=None):
+        from transformers import AutoModelForCausalLM
+
+        self.args = args
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if isinstance(model, (str, Path)) \
+            else model
+        self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask
+        # The trainer owns the sampling policy and hands it to the factory before any session starts.
+        self.factory = harness_session_factory(
+            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens})
+        self.tasks = list(train_dataset)
+        if not self.tasks:
+            raise ValueError("train_dataset is empty: give at least one task")
+        self.reward_fn = resolve_reward_fn(rollout_reward_fn)
+        self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
+                                   args.kl_beta)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate)
+        self.step, self.version, self.task_cursor = 0, 0, 0
+        self.out = Path(args.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(args.seed)
+        torch.manual_seed(args.seed)
+        self.history: list[dict] = []
+        if args.resume_from_checkpoint:
+            self._load(Path(args.resume_from_checkpoint))
+
+    # ---- rollouts ----------------------------------------------------------------------------------------
+
+    def _next_task(self) -> Task:
+        task = self.tasks[self.task_cursor % len(self.tasks)]
+        self.task_cursor += 1
+        return task
+
+    def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future]]:
+        task = self._next_task()
+        return task, [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}")
+                      for g in range(self.args.num_generations)]
+
+    def _collect(self, futures: list[Future]) -> list[RolloutRecord]:
+        records = []
+        for future in futures:
+            try:
+                records.append(future.result())
+            except CaptureContractError:
+                raise
+            except Exception as exc:  # a failed rollout never stops the loop
+                log.warning("rollout failed: %s", exc)
+        return records
+
+    # ---- one optimisation step ---------------------------------------------------------------------------
+
+    def _train_on(self, records: list[RolloutRecord]) -> dict:
+        rewards = [score(self.reward_fn, r.outcome) if r.status != "unscorable" else None for r in records]
+        group = group_advantages(rewards, scale_std=self.args.scale_rewards)
+        metrics = {"reward_mean": _mean([r for r in rewards if r is not None]), "zero_variance": group.zero_variance,
+                   "scorable": group.scorable, "rollouts": len(records),
+                   "failed": sum(r.status == "unscorable" for r in records)}
+        seen: set = set()
+        chains, advantages = [], []
+        for i, (record, adv) in enumerate(zip(records, group.advantages)):
+            if adv is None or not record.training_trace or group.zero_variance:
+                continue
+            trace = TrainingTrace.model_validate(record.training_trace)
+            chains += chains_from_trace(trace, len(advantages), seen)
+            advantages.append(adv)
+        if not chains:
+            return metrics | {"trained_tokens": 0}
+        tree = pack(chains)
+        total = int(tree.trained.sum())
+        if total == 0:
+            return metrics | {"trained_tokens": 0}
+        adv = torch.tensor(advantages)[tree.rollout[tree.trained]]
+        behaviour = tree.behaviour[tree.trained]
+        self.model.train()
+        proximal = None
+        if self.loss_cfg.mode == "decoupled":
+            with torch.no_grad():
+                proximal = tree_logprobs(self.model, tree, self.args.temperature)
+        logp = tree_logprobs(self.model, tree, self.args.temperature)
+        loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=proximal)
+        self.optimizer.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()
+        return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
+                                  "trained_tokens": total, "tree_tokens": len(tree), "row_tokens": tree.chain_tokens,
+                                  "entropy_proxy": float(-logp.detach().mean())}
+
+    # ---- weights back into vLLM ----------------------------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        url = self.args.vllm_server_base_url
+        if not url:
+            raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
+        directory = ram_dir()
+        started = time.perf_counter()
+        try:
+            save_weights(self.model, directory)
+            reload_weights(url, directory, version=self.version + 1, timeout_s=self.args.weight_sync_timeout_s)
+        except WeightSyncError as exc:
+            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.version += 1
+        proxy = getattr(self.factory, "proxy", None)
+        if proxy is not None:
+            proxy.set_policy_version(self.version)
+        self._probe(url)
+        return time.perf_counter() - started
+
+    def _probe(self, url: str) -> None:
+        """vLLM must now score a fixed sequence exactly as the trainer's weights do."""
+        ids = [1, 10, 20, 30, 40, 50, 60, 70, 2]
+        served = torch.tensor(teacher_forced_logprobs(url, ids))
+        with torch.no_grad():
+            self.model.eval()
+            logits = self.model(torch.tensor([ids])).logits[0, :-1]
+            ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        gap = float((served.double() - ours).abs().max())
+        if gap > self.args.probe_tolerance:
+            raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
+                                  f"by {gap:.2e} (> {self.args.probe_tolerance}): the engine did not take the weights")
+        self.last_probe_gap = gap
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def _save(self) -> Path:
+        path = self.out / f"checkpoint-{self.step}"
+        tmp = self.out / f".checkpoint-{self.step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "rng": self.rng.getstate()}, tmp / "trainer_state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"step": self.step, "version": self.version, "task_cursor": self.task_cursor}))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # a crash mid-save leaves the previous checkpoint whole
+        checkpoints = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for old in checkpoints[:-self.args.save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _load(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if path.name == "latest":
+            found = sorted(path.parent.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+            if not found:
+                raise FileNotFoundError(f"no checkpoint-* in {path.parent} to resume from")
+            path = found[-1]
+        state = json.loads((path / "trainer_state.json").read_text())
+        blob = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+        self.optimizer.load_state_dict(blob["optimizer"])
+        torch.set_rng_state(blob["torch_rng"])
+        self.rng.setstate(blob["rng"])
+        self.step, self.version, self.task_cursor = state["step"], state["version"], state["task_cursor"]
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
+    def train(self) -> list[dict]:
+        args = self.args
+        groups_in_flight = max(1, args.max_concurrent_rollouts // args.num_generations)
+        if args.vllm_server_base_url:
+            # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
+            # resume it may still hold weights of a step that was never checkpointed).
+            self.sync_weights()
+        pending: deque[tuple[Task, list[Future], int]] = deque()
+        with ThreadPoolExecutor(max(args.max_concurrent_rollouts, args.num_generations)) as pool:
+            try:
+                while self.step < args.max_steps:
+                    while len(pending) < groups_in_flight:
+                        task, futures = self._launch_group(pool)
+                        pending.append((task, futures, self.version))
+                    task, futures, launched = pending.popleft()
+                    records = self._collect(futures)
+                    versions = [v for r in records for v in r.policy_versions]
+                    staleness = self.version - min(versions) if versions else self.version - launched
+                    started = time.perf_counter()
+                    if staleness > args.max_staleness:
+                        metrics = {"dropped_stale": True, "staleness": staleness}
+                    else:
+                        metrics = self._train_on(records) | {"staleness": staleness}
+                    metrics["train_time_s"] = time.perf_counter() - started
+                    self.step += 1
+                    if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
+                        metrics["weight_sync_time_s"] = self.sync_weights()
+                    metrics.update(step=self.step, version=self.version, task=task.name)
+                    if self.step % args.save_steps == 0 or self.step == args.max_steps:
+                        self._save()  # before the metrics line: a logged step is a saved step
+                    self.history.append(metrics)
+                    with (self.out / "metrics.jsonl").open("a") as f:
+                        f.write(json.dumps(metrics) + "\n")
+                    if self.step % args.logging_steps == 0:
+                        log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
+            finally:
+                for _, futures, _ in pending:  # in-flight work of a finished or failed run is not waited for
+                    for future in futures:
+                        future.cancel()
+        return self.history
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+__all__ = ["AsyncGRPOConfig", "HarnessAsyncGRPOTrainer", "TrainingStopped"]
