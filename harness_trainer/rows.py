@@ -144,14 +144,19 @@ def pack(chains: list[Chain]) -> PackedTree:
                       chain_tokens=sum(len(c.ids) for c in chains))
 
 
-def tree_logprobs(model, tree: PackedTree, temperature: float = 1.0) -> torch.Tensor:
-    """Logprob under `model` of every trained token of the tree, in tree order ([T], with gradients)."""
+def tree_logprobs(model, tree: PackedTree, temperature: float = 1.0, entropy: bool = False):
+    """Logprob under `model` of every trained token of the tree, in tree order ([T], with gradients);
+    with entropy=True also the policy's entropy at those positions ([T], no gradient)."""
     logits = model(input_ids=tree.ids[None], position_ids=tree.depth[None],
                    attention_mask=tree.attention_mask(next(model.parameters()).dtype)).logits[0]
     targets = torch.nonzero(tree.trained).squeeze(-1)
     context = tree.parent[targets]
     logp = torch.log_softmax(logits[context].float() / temperature, dim=-1)
-    return logp.gather(-1, tree.ids[targets][:, None]).squeeze(-1)
+    chosen = logp.gather(-1, tree.ids[targets][:, None]).squeeze(-1)
+    if not entropy:
+        return chosen
+    with torch.no_grad():
+        return chosen, -(logp.exp() * logp).sum(-1)
 
 
 def chain_logprobs(model, chain: Chain, temperature: float = 1.0) -> torch.Tensor:

@@ -151,7 +151,7 @@ class HarnessAsyncGRPOTrainer:
         if self.loss_cfg.mode == "decoupled":
             with torch.no_grad():
                 proximal = tree_logprobs(self.model, tree, self.args.temperature)
-        logp = tree_logprobs(self.model, tree, self.args.temperature)
+        logp, entropy = tree_logprobs(self.model, tree, self.args.temperature, entropy=True)
         loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=proximal)
         self.optimizer.zero_grad()
         loss.backward()
@@ -159,7 +159,7 @@ class HarnessAsyncGRPOTrainer:
         self.optimizer.step()
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total, "tree_tokens": len(tree), "row_tokens": tree.chain_tokens,
-                                  "entropy_proxy": float(-logp.detach().mean())}
+                                  "entropy": float(entropy.mean())}
 
     # ---- weights back into vLLM ----------------------------------------------------------------------------
 
