@@ -3,10 +3,8 @@ timeouts, the verifier against a planted reward, failure classes, reward plugins
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 

@@ -79,7 +79,7 @@ def _bugfix(root: Path) -> None:
         module = filename.removesuffix(".py")
         _write(task / "instruction.md", f"In /app/{filename}: {instruction} Fix the bug.\n")
         _write(task / "task.toml", '[agent]\ntimeout_sec = 300\n\n[verifier]\ntimeout_sec = 60\n\n'
-                                   f'[metadata]\nset = "bugfix"\n')
+                                   '[metadata]\nset = "bugfix"\n')
         _write(task / "environment" / "app" / filename, source)
         _write(task / "tests" / "test.sh", BUG_TEST.format(module=module, check=check), 0o755)
         _write(task / "solution" / "solve.sh", f"#!/bin/bash\nsed -i \"{sed}\" {filename}\n", 0o755)
