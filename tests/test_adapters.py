@@ -253,3 +253,14 @@ def test_harbor_sandbox_errors_are_clear(tmp_path, monkeypatch):
             box.start()
     finally:
         box.stop()
+
+
+def test_agent_programs_under_tmp_stay_visible_in_the_jail(tmp_path):
+    """A checkout under /tmp (or /home) must not be hidden by the trial's own /tmp (or /home)."""
+    program = tmp_path / "checkout" / ".venv-mini"
+    program.mkdir(parents=True)
+    (program / "agent.sh").write_text("echo agent-ran")
+    box = LocalSandbox(tmp_path / "trial", readonly=[program])
+    box.start()
+    assert box.exec(f"bash {program}/agent.sh && touch /tmp/mine", 10).stdout == "agent-ran\n"
+    assert (tmp_path / "trial" / "tmp" / "mine").exists()

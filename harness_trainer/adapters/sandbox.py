@@ -137,10 +137,11 @@ class LocalSandbox(TrialDirs):
                 argv += ["--symlink", os.readlink(path), str(path)]
             elif path.is_dir():
                 argv += ["--ro-bind", str(path), str(path)]
-        for path in self.readonly:
-            argv += ["--ro-bind", str(path), str(path)]
         for name in SANDBOX_DIRS:
             argv += ["--bind", str(self.trial / name), f"/{name}"]
+        # After the writable dirs: a checkout under /tmp or /home must not be hidden by the trial's own.
+        for path in self.readonly:
+            argv += ["--ro-bind", str(path), str(path)]
         argv += ["--clearenv", "--chdir", "/app"]
         for key, value in env.items():
             argv += ["--setenv", key, value]
