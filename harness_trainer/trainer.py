@@ -3,6 +3,7 @@
     for each step:
         fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task)
         take the oldest finished group; drop it if its turns are more than max_staleness versions old
+        (groups still running that can no longer finish in time are cancelled after each sync)
         rewards -> group advantages -> chains -> prefix-tree packing -> loss -> optimizer step
         every weight_sync_steps: weights -> the same vLLM (reload), version += 1 in vLLM and the proxy,
                                  probe: vLLM's teacher-forced logprobs must equal the trainer's
@@ -106,10 +107,24 @@ class HarnessAsyncGRPOTrainer:
         self.task_cursor += 1
         return task
 
-    def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future]]:
-        task = self._next_task()
-        return task, [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}")
-                      for g in range(self.args.num_generations)]
+    def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future], list]:
+        task, sessions = self._next_task(), []
+        futures = [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}",
+                               sessions.append) for g in range(self.args.num_generations)]
+        return task, futures, sessions
+
+    def _cancel_stale(self, pending) -> int:
+        """Stop groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
+        cancelled = 0
+        for _, futures, sessions, launched in pending:
+            if self.version - launched > self.args.max_staleness:
+                for future in futures:
+                    cancelled += future.cancel()  # not started yet
+                for session in list(sessions):
+                    if not session.cancelled:
+                        session.cancel()
+                        cancelled += 1
+        return cancelled
 
     def _collect(self, futures: list[Future]) -> list[RolloutRecord]:
         records = []
@@ -240,26 +255,28 @@ class HarnessAsyncGRPOTrainer:
             # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
             # resume it may still hold weights of a step that was never checkpointed).
             self.sync_weights()
-        pending: deque[tuple[Task, list[Future], int]] = deque()
+        pending: deque[tuple[Task, list[Future], list, int]] = deque()
         with ThreadPoolExecutor(max(args.max_concurrent_rollouts, args.num_generations)) as pool:
             try:
                 while self.step < args.max_steps:
                     while len(pending) < groups_in_flight:
-                        task, futures = self._launch_group(pool)
-                        pending.append((task, futures, self.version))
-                    task, futures, launched = pending.popleft()
+                        task, futures, sessions = self._launch_group(pool)
+                        pending.append((task, futures, sessions, self.version))
+                    task, futures, _, launched = pending.popleft()
                     records = self._collect(futures)
                     versions = [v for r in records for v in r.policy_versions]
                     staleness = self.version - min(versions) if versions else self.version - launched
                     started = time.perf_counter()
-                    if staleness > args.max_staleness:
-                        metrics = {"dropped_stale": True, "staleness": staleness}
+                    if staleness > args.max_staleness or any(r.status == "cancelled" for r in records):
+                        metrics = {"dropped_stale": True, "staleness": staleness,
+                                   "cancelled": sum(r.status == "cancelled" for r in records)}
                     else:
                         metrics = self._train_on(records) | {"staleness": staleness}
                     metrics["train_time_s"] = time.perf_counter() - started
                     self.step += 1
                     if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
                         metrics["weight_sync_time_s"] = self.sync_weights()
+                        metrics["cancelled_in_flight"] = self._cancel_stale(pending)
                     metrics.update(step=self.step, version=self.version, task=task.name)
                     if self.step % args.save_steps == 0 or self.step == args.max_steps:
                         self._save()  # before the metrics line: a logged step is a saved step
@@ -269,9 +286,11 @@ class HarnessAsyncGRPOTrainer:
                     if self.step % args.logging_steps == 0:
                         log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
             finally:
-                for _, futures, _ in pending:  # in-flight work of a finished or failed run is not waited for
+                for _, futures, sessions, _ in pending:  # in-flight work of a finished run is stopped
                     for future in futures:
                         future.cancel()
+                    for session in list(sessions):
+                        session.cancel()
         return self.history
 
 

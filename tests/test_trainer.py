@@ -101,6 +101,19 @@ def test_failed_rollouts_do_not_stop_training(fresh_engine, proxy, tiny_model_di
     assert len(history) == 2 and history[1]["failed"] == 2 and history[1]["scorable"] == 0
 
 
+def test_stale_in_flight_rollouts_are_cancelled_not_finished(fresh_engine, proxy, tiny_model_dir, tmp_path):
+    """With max_staleness 0, a group still running when the weights move is stopped at once."""
+    slow = CommandHarness(f"case {{instruction}} in *slow*) sleep 120;; esac; python3 -c {shlex.quote(SAY)} "
+                          "{instruction}")
+    tasks = [load_task(say_task(tmp_path, "fast")), load_task(say_task(tmp_path, "slow", "Say something slow."))]
+    factory = partial(LocalSessionFactory, proxy=proxy.client, harness=slow, output_dir=tmp_path / "r")
+    started = time.monotonic()
+    history = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, config(
+        tmp_path, fresh_engine, max_staleness=0, max_concurrent_rollouts=4), tasks).train()
+    assert time.monotonic() - started < 100  # the 120 s agents never ran out their time
+    assert history[0]["cancelled_in_flight"] == 2 and history[1]["dropped_stale"] and history[1]["cancelled"] == 2
+
+
 class TraceBreakingClient(ProxyClient):
     """A stub of the proxy's client for fault injection: a real proxy never exports a broken trace."""
 

@@ -99,10 +99,12 @@ class TrialDirs:
         path.mkdir(parents=True, exist_ok=True)
 
 
-def _run(argv: list[str], timeout_s: float, on_timeout) -> ExecResult:
+def _run(argv: list[str], timeout_s: float, on_timeout, on_start=None) -> ExecResult:
     started = time.perf_counter()
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                start_new_session=True, text=True, errors="replace")
+    if on_start:
+        on_start(process)
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
         timed_out = False
@@ -150,7 +152,17 @@ class LocalSandbox(TrialDirs):
     def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
         # At the timeout, killing the jail's process group takes its PID namespace and every process inside.
         return _run(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s,
-                    lambda process: os.killpg(process.pid, signal.SIGKILL))
+                    lambda process: os.killpg(process.pid, signal.SIGKILL),
+                    on_start=lambda process: setattr(self, "_running", process))
+
+    def cancel(self) -> None:
+        """Kill the exec in progress (its whole jail), from another thread."""
+        process = getattr(self, "_running", None)
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def stop(self) -> None:
         pass  # nothing outlives an exec; the trial directory stays as the rollout's record

@@ -11,6 +11,7 @@ The contract the trainer (issue 5) uses, shaped like OpenEnv's so its `HarborSes
 
 `run_rollout` does all of it and classifies how it ended:
     ok             the agent ran, the verifier scored it
+    cancelled      stopped by the trainer because its policy became too stale: not verified, not trained
     timeout        the agent was killed at its timeout: captured turns and the verifier's score are kept
     unscorable     sandbox / agent start / transport failure, or the verifier could not score: reward None
     malformed      the capture breaks the trace contract: CaptureContractError, which stops training
@@ -75,6 +76,7 @@ class LocalSession:
         self.result: ExecResult | None = None
         self.report = AgentReport()
         self.error: str | None = None  # why it cannot be scored, if so
+        self.cancelled = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -141,6 +143,12 @@ class LocalSession:
         result: VerifierResult = verify(self.sandbox, self.task, self.factory.reward_key)
         return VerifyResult(env_reward=result.reward, done=True, metrics={"verifier": result.detail})
 
+    def cancel(self) -> None:
+        """Stop the agent now (from another thread): the rollout ends 'cancelled', unverified and untrained."""
+        self.cancelled = True
+        if self.sandbox is not None and hasattr(self.sandbox, "cancel"):
+            self.sandbox.cancel()
+
     def close(self) -> None:
         if self.sandbox is not None:
             self.sandbox.stop()
@@ -185,12 +193,21 @@ class LocalSessionFactory:
         return session
 
 
-def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None = None) -> RolloutRecord:
-    """Create, wait, fetch, verify, close; classify the ending. Raises CaptureContractError only."""
+def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None = None,
+                on_session=None) -> RolloutRecord:
+    """Create, wait, fetch, verify, close; classify the ending. Raises CaptureContractError only.
+    `on_session(session)` is called once the agent runs (the trainer keeps it to cancel stale work)."""
     started = time.perf_counter()
     session = factory.create(task, episode_id=episode_id)
+    if on_session:
+        on_session(session)
     try:
         exit_code = session.wait_for_completion(session.timeout_s + 60)
+        if session.cancelled:
+            outcome = HarnessRolloutOutcome(None, [], [], 0, 0, {}, False)
+            return RolloutRecord(task=task.name, episode_id=session.episode_id, outcome=outcome, status="cancelled",
+                                 reason="cancelled: it could no longer finish within max_staleness",
+                                 agent_exit=exit_code, seconds=time.perf_counter() - started)
         trace, reason = None, session.error or ""
         if not session.error:
             try:
