@@ -52,6 +52,7 @@ class AsyncGRPOConfig:
     temperature: float = 1.0
     max_completion_tokens: int = 256
     weight_sync_steps: int = 1
+    weight_sync_backend: str = "reload"  # reload (any vLLM, CPU included) or nccl (GPU)
     weight_sync_timeout_s: float = 120.0
     probe_tolerance: float = 1e-3
     logging_steps: int = 1
@@ -78,6 +79,14 @@ class HarnessAsyncGRPOTrainer:
         from transformers import AutoModelForCausalLM
 
         self.args = args
+        if args.weight_sync_backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("weight_sync_backend='nccl' streams weights GPU to GPU and needs CUDA on the trainer and "
+                             "vLLM on the same host; this machine has no CUDA device. Use weight_sync_backend='reload'.")
+        if args.weight_sync_backend not in ("reload", "nccl"):
+            raise ValueError(f"unknown weight_sync_backend '{args.weight_sync_backend}': choose reload or nccl")
+        if args.weight_sync_backend == "nccl":
+            raise NotImplementedError("the nccl weight-sync backend is not built yet; use weight_sync_backend='reload', "
+                                      "which works on GPU too")
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if isinstance(model, (str, Path)) \
             else model
         self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask

@@ -184,3 +184,12 @@ def test_reward_rises_from_the_random_tiny_model(tmp_path):
             [load_task(say_task(tmp_path))]).train()
     rewards = [h.get("reward_mean") or 0.0 for h in history]
     assert sum(rewards[:5]) / 5 < 0.2 and sum(rewards[-5:]) / 5 > 0.6, rewards  # ≈ 0.03 at the start
+
+
+def test_nccl_sync_fails_fast_on_cpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="no CUDA device. Use weight_sync_backend='reload'"):
+        HarnessAsyncGRPOTrainer("unused", None, AsyncGRPOConfig(weight_sync_backend="nccl"), [])
