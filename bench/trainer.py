@@ -32,6 +32,42 @@ def collect(args) -> str:
     return f"{out}/traces.jsonl"
 
 
+def async_vs_sync(engine_url: str, steps: int = 8) -> None:
+    """Rollouts per minute while training, one group in flight (sync: rollouts wait for each step) vs three."""
+    import shlex
+    import sys
+    from functools import partial
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_trainer import SAY, say_task  # the few-line agent program and its task
+
+    from harness_trainer.adapters.harnesses import CommandHarness
+    from harness_trainer.adapters.session import LocalSessionFactory
+    from harness_trainer.adapters.tasks import load_task
+    from harness_trainer.proxy.client import ProxyServer
+    from harness_trainer.tiny_model import ensure_tiny_model
+    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    root = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    task = load_task(say_task(root))
+    rates = {}
+    with ProxyServer(engine_url, model="tiny") as proxy:
+        for name, in_flight in (("sync", 1), ("async", 3)):
+            factory = partial(LocalSessionFactory, proxy=proxy.client, harness=CommandHarness(
+                f"python3 -c {shlex.quote(SAY)} {{instruction}}"), output_dir=root / name)
+            trainer = HarnessAsyncGRPOTrainer(str(ensure_tiny_model()), factory, AsyncGRPOConfig(
+                output_dir=str(root / name / "run"), vllm_server_base_url=engine_url, num_generations=8,
+                max_concurrent_rollouts=8 * in_flight, max_staleness=in_flight, max_steps=steps, save_steps=1000,
+                learning_rate=1e-4), [task])
+            started = time.perf_counter()
+            history = trainer.train()
+            rollouts = sum(h.get("rollouts", 0) for h in history)
+            rates[name] = rollouts / ((time.perf_counter() - started) / 60)
+    print(f"rollouts/min while training: sync (1 group in flight) {rates['sync']:.0f}, async (3 groups) "
+          f"{rates['async']:.0f}: {rates['async'] / rates['sync']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default=None, help="a traces.jsonl (default: collect with the oracle)")
@@ -73,6 +109,8 @@ def main() -> None:
     unique = fed_tree  # the trie holds each distinct (prefix, token) once: the unique tokens
     print(f"{len(traces)} traces in {len(groups)} groups of {args.group}; unique tokens {unique}")
     print(f"tokens fed ÷ unique: prefix-shared {fed_tree / unique:.2f}, one row per chain {fed_rows / unique:.2f}")
+    if args.vllm_url:
+        async_vs_sync(args.vllm_url)
     print(f"step time ÷ raw forward+backward on the same tokens: "
           f"{statistics.median(tree_times) / statistics.median(raw_times):.2f} "
           f"(median {statistics.median(tree_times) * 1e3:.0f} ms vs {statistics.median(raw_times) * 1e3:.0f} ms)")
