@@ -1,8 +1,11 @@
 """Weights back into the serving vLLM: the `reload` path, which works on every vLLM build, CPU included.
 
-    trainer weights --save_pretrained--> RAM-backed dir --/collective_rpc reload_weights--> vLLM
-                    --/reset_prefix_cache (cached KV was computed by the old weights)
-                    --/update_weight_version (so every later answer can be told apart by version)
+    trainer weights --save_pretrained--> RAM-backed dir, then, with the engine paused (/pause?mode=keep):
+        /collective_rpc reload_weights   the new weights, in place
+        /reset_prefix_cache              cached keys/values were computed by the old weights; running
+                                         requests are preempted and recompute theirs
+        /update_weight_version           so every later answer can be told apart by version
+    and /resume: requests in flight continue on the new weights, none is aborted.
 
 Every HTTP step has a timeout and a non-2xx answer raises WeightSyncError naming the step: a sync either
 finishes or fails loudly, it never hangs.
@@ -65,18 +68,22 @@ def reload_weights(server, checkpoint_dir: str | Path, version: int | str, timeo
                               "weights (write them with save_weights(model, dir) first); the engine was not touched")
     started = time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
-        _post(client, f"{base}/collective_rpc", "reload_weights", json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)},
-            "timeout": timeout_s})
-        # The reset fails while requests still hold cached blocks; they drain quickly, so retry briefly.
-        deadline = time.monotonic() + timeout_s
-        while not _post(client, f"{base}/reset_prefix_cache", "reset_prefix_cache").json().get("success", True):
-            if time.monotonic() > deadline:
-                raise WeightSyncError(
-                    f"weight sync step 'reset_prefix_cache' kept failing for {timeout_s} s: requests are still "
-                    "running on the old weights. Pause the engine (/pause?mode=wait) before syncing.")
-            time.sleep(0.05)
-        _post(client, f"{base}/update_weight_version", "update_weight_version", json={"new_version": str(version)})
+        # Freeze the engine: requests in flight keep their place (mode=keep) instead of being aborted.
+        _post(client, f"{base}/pause", "pause", params={"mode": "keep"})
+        try:
+            _post(client, f"{base}/collective_rpc", "reload_weights", json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}, "timeout": timeout_s})
+            # Drop every cached key/value, those of running requests too: they are preempted and recompute
+            # their prefix with the new weights, so no token is ever sampled from a mix of old and new KV.
+            reset = _post(client, f"{base}/reset_prefix_cache", "reset_prefix_cache",
+                          params={"reset_running_requests": "true"})
+            if not reset.json().get("success", True):
+                raise WeightSyncError("weight sync step 'reset_prefix_cache' failed: vLLM could not drop the "
+                                      "cached keys/values computed with the old weights")
+            _post(client, f"{base}/update_weight_version", "update_weight_version",
+                  json={"new_version": str(version)})
+        finally:
+            _post(client, f"{base}/resume", "resume")
     return time.perf_counter() - started
 
 

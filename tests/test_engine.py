@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -103,6 +104,28 @@ def test_reload_weights_moves_vllm_to_new_weights(engine, tokenizer, perturbed_m
     assert torch.allclose(torch.tensor(new, dtype=torch.float64), expected, atol=1e-4)
     assert max(abs(a - b) for a, b in zip(old, new)) > 1e-2
     assert weight_version(engine) == "step-1"
+
+
+def test_reload_during_a_running_request_neither_aborts_it_nor_mixes_weights(engine, perturbed_model):
+    """The engine is paused (requests keep their place), reloaded, its cache dropped, and resumed."""
+    import threading
+
+    model, directory = perturbed_model
+    answer = {}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "min_tokens": 400, **CAPTURE}
+    worker = threading.Thread(target=lambda: answer.update(
+        r=httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=300)))
+    worker.start()
+    time.sleep(0.5)
+    assert worker.is_alive()
+    reload_weights(engine, directory, version="during")
+    worker.join()
+    assert answer["r"].status_code == 200 and len(answer["r"].json()["choices"][0]["token_ids"]) == 400
+    ids = [1, 10, 20, 30, 40, 50, 2]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(teacher_forced_logprobs(engine, ids), dtype=torch.float64), expected, atol=1e-4)
 
 
 def test_reload_of_missing_checkpoint_is_refused_and_the_engine_keeps_serving(engine, tmp_path, tokenizer):
