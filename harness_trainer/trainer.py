@@ -156,7 +156,7 @@ class HarnessAsyncGRPOTrainer:
                    "failed": sum(r.status == "unscorable" for r in records)}
         seen: set = set()
         chains, advantages = [], []
-        for i, (record, adv) in enumerate(zip(records, group.advantages)):
+        for record, adv in zip(records, group.advantages):
             if adv is None or not record.training_trace or group.zero_variance:
                 continue
             trace = TrainingTrace.model_validate(record.training_trace)
