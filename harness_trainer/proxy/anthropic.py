@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from harness_trainer.proxy.dialects import BlockStream, message_text, sse, tool_arguments
+from harness_trainer.proxy.dialects import (BlockStream, copy_fields, function_tools, message_text, sse,
+                                            tool_arguments)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: "end_turn"}
 
@@ -63,14 +64,9 @@ class AnthropicDialect:
                 messages.append({"role": "user", "content": message_text(text_parts)})
         chat = {"messages": messages, "stream": bool(body.get("stream"))}
         if body.get("tools"):
-            chat["tools"] = [{"type": "function", "function": {
-                "name": t.get("name"), "description": t.get("description", ""),
-                "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}}
-                for t in body["tools"] if isinstance(t, dict) and t.get("name")]
-        for ours, theirs in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                             ("top_k", "top_k"), ("stop", "stop_sequences")):
-            if body.get(theirs) is not None:
-                chat[ours] = body[theirs]
+            chat["tools"] = function_tools(body["tools"], "input_schema")
+        copy_fields(body, chat, (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                                 ("top_k", "top_k"), ("stop", "stop_sequences")))
         if (choice := _tool_choice(body.get("tool_choice"))) is not None:
             chat["tool_choice"] = choice
         return chat

@@ -143,6 +143,21 @@ class BlockStream:
     def finish(self) -> bytes: raise NotImplementedError
 
 
+def function_tools(tools: list, schema_key: str) -> list[dict]:
+    """A dialect's flat tool list ({name, description, <schema_key>}) as chat-completions functions."""
+    return [{"type": "function", "function": {
+        "name": t.get("name"), "description": t.get("description", ""),
+        "parameters": t.get(schema_key) or {"type": "object", "properties": {}}}}
+        for t in tools if isinstance(t, dict) and t.get("name")]
+
+
+def copy_fields(body: dict, chat: dict, pairs: tuple[tuple[str, str], ...]) -> None:
+    """chat[ours] = body[theirs] for each (ours, theirs) the agent set."""
+    for ours, theirs in pairs:
+        if body.get(theirs) is not None:
+            chat[ours] = body[theirs]
+
+
 def tool_arguments(text: str):
     try:
         value = json.loads(text or "{}")

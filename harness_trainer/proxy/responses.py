@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 
-from harness_trainer.proxy.dialects import BlockStream, message_text, sse
+from harness_trainer.proxy.dialects import BlockStream, copy_fields, function_tools, message_text, sse
 
 
 def _tool_choice(choice):
@@ -63,12 +63,9 @@ class ResponsesDialect:
         chat = {"messages": messages, "stream": bool(body.get("stream"))}
         tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
         if tools:
-            chat["tools"] = [{"type": "function", "function": {
-                "name": t.get("name"), "description": t.get("description", ""),
-                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}} for t in tools]
-        for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
-            if body.get(theirs) is not None:
-                chat[ours] = body[theirs]
+            chat["tools"] = function_tools(tools, "parameters")
+        copy_fields(body, chat, (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
+                                 ("top_p", "top_p")))
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
         if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
             chat["response_format"] = {"type": fmt.get("type")}
