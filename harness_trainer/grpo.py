@@ -79,9 +79,11 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token = -weight * torch.minimum(ratio * advantages, clipped * advantages)
-    if cfg.kl_beta and reference is not None:
+    kl = None
+    if reference is not None:
         diff = reference - logp
-        per_token = per_token + cfg.kl_beta * (torch.exp(diff) - diff - 1)
+        kl = torch.exp(diff) - diff - 1
+        per_token = per_token + cfg.kl_beta * kl
     loss = per_token.sum() / max(total_tokens, 1)
     with torch.no_grad():
         n = max(logp.numel(), 1)
@@ -93,4 +95,6 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
             "is_weight_max": float(weight.max()) if logp.numel() else 1.0,
             "behaviour_kl": float((behaviour - logp).mean()) if logp.numel() else 0.0,
         }
+        if kl is not None:
+            stats["ref_kl"] = float(kl.mean()) if logp.numel() else 0.0
     return loss, stats

@@ -11,12 +11,19 @@
 
 Staleness is read from the policy version the proxy stamped on each captured turn, not from dispatch time.
 A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does.
+
+Data parallel (`accelerate launch` / `torchrun`, one process per device, CPU included): rank 0 runs the
+rollouts, syncs weights and saves; it broadcasts each group's records, every rank packs the rollouts
+i % world_size == rank, and gradients are summed across ranks. The loss divides by the global number of
+trained tokens, so the summed gradient equals the single-process one and every rank takes the same step.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
 from harness_trainer.adapters.tasks import Task
@@ -90,9 +98,14 @@ class HarnessAsyncGRPOTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if isinstance(model, (str, Path)) \
             else model
         self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask
-        # The trainer owns the sampling policy and hands it to the factory before any session starts.
+        self.rank, self.world_size = _init_distributed()
+        # A frozen copy of the starting policy, only when the loss has a KL term to it.
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.kl_beta else None
+        # The trainer owns the sampling policy and hands it to the factory before any session starts
+        # (on rank 0 only: the other ranks never run a rollout).
         self.factory = harness_session_factory(
-            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens})
+            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens}
+        ) if self.rank == 0 else None
         self.tasks = list(train_dataset)
         if not self.tasks:
             raise ValueError("train_dataset is empty: give at least one task")
@@ -162,28 +175,44 @@ class HarnessAsyncGRPOTrainer:
             trace = TrainingTrace.model_validate(record.training_trace)
             chains += chains_from_trace(trace, len(advantages), seen)
             advantages.append(adv)
-        if not chains:
-            return metrics | {"trained_tokens": 0}
-        tree = pack(chains)
-        total = int(tree.trained.sum())
+        total = sum(sum(c.trained) for c in chains)  # the global batch's trained tokens, on every rank
         if total == 0:
             return metrics | {"trained_tokens": 0}
-        adv = torch.tensor(advantages)[tree.rollout[tree.trained]]
-        behaviour = tree.behaviour[tree.trained]
+        # This rank's share: whole rollouts, so a fork's supervised-once bookkeeping stays within one rank.
+        chains = [c for c in chains if c.rollout % self.world_size == self.rank]
         self.model.train()
-        proximal = None
-        if self.loss_cfg.mode == "decoupled":
-            with torch.no_grad():
-                proximal = tree_logprobs(self.model, tree, self.args.temperature)
-        logp, entropy = tree_logprobs(self.model, tree, self.args.temperature, entropy=True)
-        loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=proximal)
         self.optimizer.zero_grad()
-        loss.backward()
+        loss, stats = torch.zeros(()), {}
+        if chains and (tree := pack(chains)).trained.any():
+            adv = torch.tensor(advantages)[tree.rollout[tree.trained]]
+            behaviour = tree.behaviour[tree.trained]
+            proximal = reference = None
+            with torch.no_grad():
+                if self.loss_cfg.mode == "decoupled":
+                    proximal = tree_logprobs(self.model, tree, self.args.temperature)
+                if self.ref_model is not None:
+                    reference = tree_logprobs(self.ref_model, tree, self.args.temperature)
+            logp, entropy = tree_logprobs(self.model, tree, self.args.temperature, entropy=True)
+            loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=proximal,
+                                      reference=reference)
+            loss.backward()
+            stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean())}
+        if self.world_size > 1:
+            loss = self._all_reduce_gradients(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                                  "trained_tokens": total, "tree_tokens": len(tree), "row_tokens": tree.chain_tokens,
-                                  "entropy": float(entropy.mean())}
+                                  "trained_tokens": total}
+
+    def _all_reduce_gradients(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum gradients (and the loss, for logging) over ranks; a rank with no tokens adds zeros."""
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+        dist.all_reduce(loss)
+        return loss
 
     # ---- weights back into vLLM ----------------------------------------------------------------------------
 
@@ -258,6 +287,22 @@ class HarnessAsyncGRPOTrainer:
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def train(self) -> list[dict]:
+        if self.rank != 0:
+            return self._follow()
+        try:
+            return self._lead()
+        finally:
+            if self.world_size > 1:
+                _broadcast(None)  # releases the other ranks, on success or error
+
+    def _follow(self) -> list[dict]:
+        """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
+        while (records := _broadcast(None)) is not None:
+            self._train_on(records)
+            self.step += 1
+        return self.history
+
+    def _lead(self) -> list[dict]:
         args = self.args
         groups_in_flight = max(1, args.max_concurrent_rollouts // args.num_generations)
         if args.vllm_server_base_url:
@@ -280,6 +325,8 @@ class HarnessAsyncGRPOTrainer:
                         metrics = {"dropped_stale": True, "staleness": staleness,
                                    "cancelled": sum(r.status == "cancelled" for r in records)}
                     else:
+                        if self.world_size > 1:
+                            _broadcast(records)
                         metrics = self._train_on(records) | {"staleness": staleness}
                     metrics["train_time_s"] = time.perf_counter() - started
                     self.step += 1
@@ -301,6 +348,23 @@ class HarnessAsyncGRPOTrainer:
                     for session in list(sessions):
                         session.cancel()
         return self.history
+
+
+def _init_distributed() -> tuple[int, int]:
+    """(rank, world size): from the launcher's environment (accelerate launch, torchrun), else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _broadcast(obj):
+    """Rank 0's object to every rank (None means: no more steps)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _mean(values: list[float]) -> float | None:

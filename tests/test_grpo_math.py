@@ -124,3 +124,12 @@ def test_prefix_shared_packing_equals_naive_rows(model):
     # and the logprobs themselves, token by token (compared as multisets: the orders differ)
     naive_all = torch.cat([chain_logprobs(model, c) for c in chains if any(c.trained)]).detach()
     assert torch.allclose(shared_logp.detach().sort().values, naive_all.sort().values, atol=1e-6)
+
+
+def test_k3_kl_to_reference_by_hand():
+    logp = torch.tensor([math.log(0.5)])
+    reference = torch.tensor([math.log(0.25)])
+    cfg = LossConfig(mode="ppo", kl_beta=0.1)
+    loss, stats = policy_loss(logp, logp.clone(), torch.tensor([0.0]), cfg, total_tokens=1, reference=reference)
+    k3 = 0.5 - math.log(0.5) - 1  # exp(q - p) - (q - p) - 1 with q - p = log(1/2)
+    assert stats["ref_kl"] == pytest.approx(k3) and float(loss) == pytest.approx(0.1 * k3)
