@@ -65,6 +65,94 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from harness_trainer.sft import SFTRunConfig, run_sft
+
+    final = run_sft(SFTRunConfig(traces=args.traces, model=args.model, output_dir=args.output_dir,
+                                 num_train_epochs=args.epochs, learning_rate=args.learning_rate,
+                                 per_device_train_batch_size=args.batch_size, only_rewarded=args.only_rewarded,
+                                 seed=args.seed))
+    print(f"SFT model (Hugging Face format, servable by vLLM): {final}")
+    return 0
+
+
+class TrainProgress:
+    """The live display: a trainer callback (on_rollout, on_step) rendered with rich."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps, self.step, self.version, self.tokens = max_steps, 0, 0, 0
+        self.done: dict[str, int] = {}
+        self.reward = self.sync_s = None
+        self.started = None
+
+    def on_rollout(self, record) -> None:
+        status = getattr(record, "status", "error")
+        self.done[status] = self.done.get(status, 0) + 1
+
+    def on_step(self, metrics: dict) -> None:
+        self.step, self.version = metrics["step"], metrics["version"]
+        self.tokens += metrics.get("trained_tokens", 0)
+        self.reward = metrics.get("reward_mean", self.reward)
+        self.sync_s = metrics.get("weight_sync_time_s", self.sync_s)
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table.grid(padding=(0, 2))
+        failed = ", ".join(f"{k} {v}" for k, v in sorted(self.done.items()) if k != "ok") or "none"
+        reward = f"{self.reward:.3f}" if self.reward is not None else "-"
+        sync = f"{self.sync_s * 1000:.0f} ms" if self.sync_s is not None else "-"
+        for key, value in (("step", f"{self.step} / {self.max_steps}"),
+                           ("rollouts", f"ok {self.done.get('ok', 0)}   not ok: {failed}"),
+                           ("reward (last step)", reward), ("tokens trained", self.tokens),
+                           ("policy version", self.version), ("last weight sync", sync)):
+            table.add_row(f"[bold]{key}[/]", str(value))
+        return table
+
+
+def train_config(args: argparse.Namespace):
+    """Defaults < --config file < flags given on the command line."""
+    from harness_trainer.train import FIELDS, load_config_file, resolve_config
+
+    file_values = load_config_file(args.config) if args.config else {}
+    return resolve_config(file_values, {name: getattr(args, name) for name in FIELDS if hasattr(args, name)})
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rich.live import Live
+    from transformers.utils import logging as hf_logging
+
+    from harness_trainer.train import run_training
+
+    cfg = train_config(args)
+    hf_logging.disable_progress_bar()  # one live display, not a bar per checkpoint
+    progress = TrainProgress(cfg.max_steps)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with Live(progress, refresh_per_second=2, transient=False):
+            summary = run_training(cfg, callbacks=[progress])
+    except KeyboardInterrupt:
+        print(f"harness-train: interrupted; engine, proxy and sandboxes are stopped. Checkpoints are in "
+              f"{cfg.output_dir}: continue with --resume latest", file=sys.stderr)
+        return 130
+    print(f"\ndone: {summary['steps']} steps, reward {summary['reward_first']} -> {summary['reward_last']}; "
+          f"model {summary['final_model']}, curve {summary['reward_curve']}")
+    return 0
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainRunConfig field; unset flags stay absent so a --config file can fill them."""
+    from harness_trainer.train import FIELDS
+
+    types = {"int": int, "float": float, "float | None": float}
+    parser.add_argument("--config", default=None, help="YAML file whose keys are these options' names "
+                        "(max_steps: 10); flags given here override it")
+    for name, f in FIELDS.items():
+        default = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=types.get(str(f.type), str),
+                            default=argparse.SUPPRESS, help=f.metadata["help"] + default)
+
+
 def _proxy(proxy_args: list[str]) -> int:
     """The proxy runs in its own environment (mitmproxy's pins): hand over to that interpreter."""
     import os
@@ -79,9 +167,17 @@ def _proxy(proxy_args: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness-train",
-        description="Reinforcement learning for coding agents you do not own.",
+        description="Reinforcement learning for coding agents you do not own. Training is the default command: "
+                    "`harness-train --harness opencode --dataset DIR` is `harness-train train ...` "
+                    "(`harness-train train --help` lists its flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train the model behind an agent harness (the default command)",
+                           description="Launch (or attach to) vLLM, start the capture proxy, run the agent on the "
+                           "dataset's tasks in sandboxes and train with async GRPO. Outputs in --output-dir.")
+    _add_train_flags(train)
+    train.set_defaults(func=_train)
 
     model = sub.add_parser("model", help="build the embedded default model")
     model_sub = model.add_subparsers(dest="kind", metavar="KIND", required=True)
@@ -132,15 +228,33 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--output-dir", default="runs/eval", help="where traces and rollout records go")
     ev.set_defaults(func=_eval)
 
+    sft = sub.add_parser("sft", help="supervised warm-up on captured traces (TRL SFTTrainer, exact token ids)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sft.add_argument("--traces", required=True, help="a traces.jsonl, or a folder holding traces.jsonl files "
+                     "(e.g. the --output-dir of `harness-train eval --policy oracle`)")
+    sft.add_argument("--model", default=None, help="starting model folder (default: the embedded tiny model)")
+    sft.add_argument("--output-dir", default="runs/sft", help="where the run goes; the model lands in OUTPUT_DIR/final")
+    sft.add_argument("--epochs", type=float, default=3.0, help="passes over the traces")
+    sft.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate (cosine schedule)")
+    sft.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
+    sft.add_argument("--only-rewarded", action="store_true", help="keep only rollouts whose reward was >= 1")
+    sft.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
+    sft.set_defaults(func=_sft)
+
     # Listed for --help only: main() hands `proxy ...` to the proxy's own interpreter before parsing.
     sub.add_parser("proxy", add_help=False, help="run the capture proxy (`harness-train proxy --help` lists its flags)")
     return parser
+
+
+COMMANDS = ("train", "model", "serve", "eval", "sft", "proxy")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["proxy"]:
         return _proxy(argv[1:])
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["train", *argv]  # training is the default action: `harness-train --harness X --dataset Y`
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -151,10 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.adapters.tasks import TaskError
     from harness_trainer.engine import EngineError
     from harness_trainer.proxy.client import ProxyError
+    from harness_trainer.rewards import RewardError
+    from harness_trainer.sft import SFTError
+    from harness_trainer.train import ConfigError
+    from harness_trainer.trainer import TrainingStopped
 
     try:
         return args.func(args)
-    except (EngineError, FileExistsError, TaskError, SandboxError, AdapterError, ProxyError) as exc:
+    except (EngineError, FileExistsError, FileNotFoundError, TaskError, SandboxError, AdapterError, ProxyError,
+            SFTError, ConfigError, RewardError, TrainingStopped) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
         return 1
 

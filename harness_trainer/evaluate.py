@@ -77,7 +77,10 @@ def write_record(out: Path, record: RolloutRecord) -> None:
     with (out / "rollouts.jsonl").open("a") as f:
         f.write(json.dumps({k: v for k, v in asdict(record).items() if k != "training_trace"}) + "\n")
     if record.training_trace:
-        append_trace(out / "traces.jsonl", TrainingTrace.model_validate(record.training_trace))
+        trace = TrainingTrace.model_validate(record.training_trace)
+        for turn in trace.turns:  # so a trace can be joined to its rollout record (e.g. sft --only-rewarded)
+            turn.metadata["episode_id"] = record.episode_id
+        append_trace(out / "traces.jsonl", trace)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
 from harness_trainer.adapters.tasks import Task
 from harness_trainer.engine import teacher_forced_logprobs
+from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
 from harness_trainer.rewards import resolve_reward_fn, score
 from harness_trainer.rows import chains_from_trace, pack, tree_logprobs
@@ -83,7 +84,8 @@ class TrainingStopped(RuntimeError):
 
 class HarnessAsyncGRPOTrainer:
     def __init__(self, model, harness_session_factory, args: AsyncGRPOConfig, train_dataset: list[Task],
-                 rollout_reward_fn=None):
+                 rollout_reward_fn=None, callbacks: list | None = None):
+        """callbacks: objects with any of on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
         from transformers import AutoModelForCausalLM
 
         self.args = args
@@ -95,8 +97,8 @@ class HarnessAsyncGRPOTrainer:
         if args.weight_sync_backend == "nccl":
             raise NotImplementedError("the nccl weight-sync backend is not built yet; use weight_sync_backend='reload', "
                                       "which works on GPU too")
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if isinstance(model, (str, Path)) \
-            else model
+        self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if self.model_dir else model
         self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask
         self.rank, self.world_size = _init_distributed()
         # A frozen copy of the starting policy, only when the loss has a KL term to it.
@@ -119,6 +121,7 @@ class HarnessAsyncGRPOTrainer:
         self.rng = random.Random(args.seed)
         torch.manual_seed(args.seed)
         self.history: list[dict] = []
+        self.callbacks = list(callbacks or [])
         if args.resume_from_checkpoint:
             self._load(Path(args.resume_from_checkpoint))
 
@@ -133,7 +136,19 @@ class HarnessAsyncGRPOTrainer:
         task, sessions = self._next_task(), []
         futures = [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}",
                                sessions.append) for g in range(self.args.num_generations)]
+        for future in futures:
+            future.add_done_callback(self._rollout_done)
         return task, futures, sessions
+
+    def _rollout_done(self, future: Future) -> None:
+        if future.cancelled():
+            return
+        self._notify("on_rollout", future.exception() or future.result())
+
+    def _notify(self, hook: str, payload) -> None:
+        for callback in self.callbacks:
+            if fn := getattr(callback, hook, None):
+                fn(payload)
 
     def _cancel_stale(self, pending) -> int:
         """Stop groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
@@ -157,6 +172,8 @@ class HarnessAsyncGRPOTrainer:
                 raise
             except Exception as exc:  # a failed rollout never stops the loop
                 log.warning("rollout failed: %s", exc)
+        for record in records:  # every rollout and its trace, trained on or not
+            write_record(self.out, record)
         return records
 
     # ---- one optimisation step ---------------------------------------------------------------------------
@@ -164,7 +181,9 @@ class HarnessAsyncGRPOTrainer:
     def _train_on(self, records: list[RolloutRecord]) -> dict:
         rewards = [score(self.reward_fn, r.outcome) if r.status != "unscorable" else None for r in records]
         group = group_advantages(rewards, scale_std=self.args.scale_rewards)
+        verifier = [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
         metrics = {"reward_mean": _mean([r for r in rewards if r is not None]), "zero_variance": group.zero_variance,
+                   "verifier_reward_mean": _mean(verifier),
                    "scorable": group.scorable, "rollouts": len(records),
                    "failed": sum(r.status == "unscorable" for r in records)}
         seen: set = set()
@@ -252,11 +271,21 @@ class HarnessAsyncGRPOTrainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
+    def save_model(self, path: str | Path) -> Path:
+        """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve."""
+        path = Path(path)
+        self.model.save_pretrained(path)
+        if self.model_dir:
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+                if (self.model_dir / name).exists() and not (path / name).exists():
+                    shutil.copy2(self.model_dir / name, path / name)
+        return path
+
     def _save(self) -> Path:
         path = self.out / f"checkpoint-{self.step}"
         tmp = self.out / f".checkpoint-{self.step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
+        self.save_model(tmp)
         torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                     "rng": self.rng.getstate()}, tmp / "trainer_state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(
@@ -339,6 +368,8 @@ class HarnessAsyncGRPOTrainer:
                     self.history.append(metrics)
                     with (self.out / "metrics.jsonl").open("a") as f:
                         f.write(json.dumps(metrics) + "\n")
+                    self._notify("on_step", metrics)
+                    self._notify("log", metrics)
                     if self.step % args.logging_steps == 0:
                         log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
             finally:

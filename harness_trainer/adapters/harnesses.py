@@ -170,7 +170,14 @@ class CommandHarness:
         self.template = template
 
     def check_installed(self) -> None:
-        pass
+        """A program named by path must exist (a bare name is left to the sandbox's PATH)."""
+        try:
+            program = shlex.split(self.template)[0]
+        except (ValueError, IndexError):
+            raise AdapterError(f"--agent-command {self.template!r} is not a valid shell command line") from None
+        if "/" in program and not Path(program).exists():
+            raise AdapterError(f"the agent program {program} (from --agent-command) does not exist: install the "
+                               "agent there, or fix the path in the template")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         values = {"instruction": run.instruction, "model": run.model, "base_url": run.base_url,

@@ -1,0 +1,237 @@
+"""`harness-train` (the default action): one command runs engine, proxy, sandboxes and the trainer.
+
+    check everything that can be checked offline (harness installed, dataset, model, sandbox, reward, ports)
+    -> engine (launched for --model, or attached by --vllm-url) -> capture proxy -> HarnessAsyncGRPOTrainer
+    -> output dir: checkpoints, final/ (HF format, servable by vLLM), rollouts.jsonl + traces.jsonl,
+       metrics.jsonl, reward_curve.png, summary.json
+
+Everything started is stopped on success, error or Ctrl-C (context managers; the trainer cancels its
+in-flight sandboxes), so nothing outlives the command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import yaml
+
+
+def _opt(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class TrainRunConfig:
+    """Every field is a `harness-train` flag (`--num-generations`) and a --config YAML key (`num_generations`),
+    in the style of TRL's config dataclasses (the help text lives in the field's metadata)."""
+    harness: str = _opt("mini-swe-agent", "mini-swe-agent, opencode or command")
+    dataset: str = _opt("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME")
+    model: str | None = _opt(None, "model folder (default: the embedded tiny model)")
+    sandbox: str = _opt("local", "local, e2b, docker or harbor[:ENV]")
+    vllm_url: str | None = _opt(None, "attach to a running vLLM instead of launching one for --model")
+    engine_port: int = _opt(0, "port for the launched engine (0: a free one)")
+    num_generations: int = _opt(4, "rollouts per task in a group")
+    max_concurrent_rollouts: int = _opt(8, "rollouts running at once")
+    max_steps: int = _opt(20, "optimizer steps")
+    learning_rate: float = _opt(1e-5, "AdamW learning rate")
+    temperature: float = _opt(1.0, "sampling temperature, also used in the loss")
+    max_staleness: int = _opt(2, "policy versions a rollout may lag the trainer")
+    max_completion_tokens: int = _opt(256, "cap on tokens per model call")
+    agent_timeout: float | None = _opt(None, "seconds per rollout (default: the task's)")
+    agent_step_limit: int = _opt(6, "agent steps per rollout")
+    agent_command: str | None = _opt(None, "for --harness command: a template with {instruction}")
+    reward: str = _opt("verifier", "verifier, verifier+tools, module:function or an entry-point name")
+    reward_key: str = _opt("reward", "key of the verifier's reward.json")
+    weight_sync_steps: int = _opt(1, "steps between weight syncs into vLLM")
+    save_steps: int = _opt(5, "steps between checkpoints")
+    output_dir: str = _opt("runs/train", "where everything goes")
+    resume: str | None = _opt(None, 'a checkpoint folder, or "latest" (the newest in --output-dir)')
+    report_to: str = _opt("trackio", "trackio (local), wandb or none")
+    seed: int = _opt(0, "seed for the trainer's RNGs")
+
+
+class ConfigError(ValueError):
+    """A config file or flag value is wrong; the message names it and says what to do."""
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainRunConfig)}
+
+
+def load_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path} must be a mapping of option names to values, e.g. `max_steps: 10`")
+    normalised = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(normalised) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}; the keys are the flag names: "
+                          f"{', '.join(sorted(FIELDS))}")
+    for name, value in normalised.items():  # YAML 1.1 reads 1e-3 as a string: coerce numbers by the field's type
+        kind = {"int": int, "float": float, "float | None": float}.get(str(FIELDS[name].type))
+        if kind and value is not None and not isinstance(value, bool):
+            try:
+                normalised[name] = kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"--config {path}: {name} must be a number, got {value!r}") from None
+    return normalised
+
+
+def resolve_config(file_values: dict, flag_values: dict) -> TrainRunConfig:
+    """Defaults < config file < flags given on the command line."""
+    cfg = TrainRunConfig(**(file_values | flag_values))
+    if cfg.report_to not in ("trackio", "wandb", "none"):
+        raise ConfigError(f"--report-to {cfg.report_to}: choose trackio, wandb or none")
+    for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+    return cfg
+
+
+def check_port_free(port: int) -> None:
+    if not port:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise ConfigError(f"port {port} is in use: choose another --engine-port (0 picks a free one), or stop "
+                              "what listens there") from None
+
+
+class MetricsReporter:
+    """trackio (local files, the default), W&B, or nothing; checked before anything starts."""
+
+    def __init__(self, report_to: str, run_name: str, config: dict):
+        self.backend = None
+        if report_to == "none":
+            return
+        try:
+            self.backend = __import__(report_to)
+        except ImportError:
+            raise ConfigError(f"--report-to {report_to}: the {report_to} package is not installed "
+                              f"(`pip install {report_to}`), or use --report-to none") from None
+        self.args = dict(project="harness-train", name=run_name, config=config)
+
+    def start(self) -> None:
+        if self.backend is not None:
+            self.backend.init(**self.args)
+
+    def log(self, metrics: dict) -> None:
+        if self.backend is not None:
+            self.backend.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"},
+                             step=metrics.get("step"))
+
+    def finish(self) -> None:
+        if self.backend is not None:
+            self.backend.finish()
+
+
+def plot_reward_curve(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("reward_mean", "reward (rollout_reward_fn)"), ("verifier_reward_mean", "verifier reward")):
+        points = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+        if points and (key == "reward_mean" or any(h.get(key) != h.get("reward_mean") for h in history)):
+            ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of the step's group")
+    ax.set_ylim(-0.05, max([1.05] + [h.get("reward_mean") or 0 for h in history]))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
+    """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
+    from harness_trainer.adapters.harnesses import make_harness
+    from harness_trainer.adapters.sandbox import make_sandbox
+    from harness_trainer.adapters.session import LocalSessionFactory
+    from harness_trainer.adapters.tasks import load_dataset
+    from harness_trainer.engine import EngineConfig, VLLMServer, check_model_dir
+    from harness_trainer.proxy.client import ProxyServer
+    from harness_trainer.rewards import resolve_reward_fn
+    from harness_trainer.tiny_model import ensure_tiny_model
+    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    # 1. Everything that can fail offline fails here, before a process is started.
+    make_harness(cfg.harness, cfg.agent_command).check_installed()
+    tasks = load_dataset(cfg.dataset)
+    model_dir = check_model_dir(cfg.model) if cfg.model else ensure_tiny_model()
+    if cfg.sandbox != "local":
+        make_sandbox(cfg.sandbox, Path("/nonexistent"))  # raises with what is missing (credentials, daemon)
+    reward_fn = resolve_reward_fn(cfg.reward)
+    out = Path(cfg.output_dir)
+    resume = str(out / "latest") if cfg.resume == "latest" else cfg.resume
+    if resume and resume != str(out / "latest") and not Path(resume, "trainer_state.json").exists():
+        raise ConfigError(f"--resume {resume}: not a checkpoint folder (no trainer_state.json); give "
+                          "OUTPUT_DIR/checkpoint-N or 'latest'")
+    if not resume and (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run (metrics.jsonl): pass --resume latest to continue it, or "
+                          "choose a new --output-dir")
+    reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
+    attached = VLLMServer.attach(cfg.vllm_url) if cfg.vllm_url else None
+    if not attached:
+        check_port_free(cfg.engine_port)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    started = time.time()
+    with contextlib.ExitStack() as stack:
+        # 2. The servers: engine, then the capture proxy in front of it.
+        if attached:
+            engine = attached
+        else:
+            engine = stack.enter_context(VLLMServer(EngineConfig(
+                model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log")))
+        proxy = stack.enter_context(ProxyServer(engine.url, model=engine.model_name, journal=out / "journal",
+                                                log_path=out / "proxy.log"))
+        # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
+        factory = partial(LocalSessionFactory, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox,
+                          output_dir=out / "rollouts", step_limit=cfg.agent_step_limit,
+                          agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key,
+                          agent_command=cfg.agent_command)
+        args = AsyncGRPOConfig(
+            output_dir=str(out), vllm_server_base_url=engine.url, num_generations=cfg.num_generations,
+            max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_staleness=cfg.max_staleness,
+            max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, temperature=cfg.temperature,
+            max_completion_tokens=cfg.max_completion_tokens, weight_sync_steps=cfg.weight_sync_steps,
+            save_steps=cfg.save_steps, seed=cfg.seed, resume_from_checkpoint=resume)
+        trainer = HarnessAsyncGRPOTrainer(str(model_dir), factory, args, tasks, rollout_reward_fn=reward_fn,
+                                          callbacks=[*(callbacks or []), reporter])
+        reporter.start()
+        try:
+            history = trainer.train()
+        finally:
+            reporter.finish()
+    # 4. What the run leaves behind.
+    final = trainer.save_model(out / "final")
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    plot_reward_curve(history, out / "reward_curve.png")
+    rewards = [h["reward_mean"] for h in history if h.get("reward_mean") is not None]
+    summary = {"steps": len(history), "policy_version": trainer.version, "final_model": str(final),
+               "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+               "trained_tokens": sum(h.get("trained_tokens", 0) for h in history),
+               "dropped_stale_groups": sum(bool(h.get("dropped_stale")) for h in history),
+               "wall_time_s": round(time.time() - started, 1), "traces": str(out / "traces.jsonl"),
+               "reward_curve": str(out / "reward_curve.png")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,158 @@
+"""`harness-train` end to end: the 2-step smoke run on the embedded default with mini-swe-agent (engine
+launched by the command), Ctrl-C cleanup, config-file + flag precedence, and the clear errors — each of which
+must leave nothing running. `sft` on captured traces, on the exact ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from harness_trainer.cli import build_parser, main, train_config
+from harness_trainer.train import ConfigError
+
+HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.cli"]
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose command line mentions `marker` (the test's own folder): engine, proxy, jails."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if marker in cmdline and p.pid != os.getpid():
+            found.append(f"{p.pid}: {cmdline[:160]}")
+    return found
+
+
+def test_two_step_smoke_run_leaves_a_servable_checkpoint_and_nothing_running(engine, tiny_model_dir, tmp_path):
+    from harness_trainer.engine import teacher_forced_logprobs
+    from harness_trainer.weight_sync import reload_weights
+
+    out = tmp_path / "run"
+    result = subprocess.run(HARNESS_TRAIN + [
+        "--harness", "mini-swe-agent", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
+        "--max-concurrent-rollouts", "2", "--agent-step-limit", "2", "--max-completion-tokens", "48",
+        "--learning-rate", "1e-3", "--report-to", "trackio", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _leftovers(str(tmp_path)) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["policy_version"] == 3
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 4
+    # The checkpoint is a folder vLLM serves: its tokenizer is there, and the engine scores as transformers does.
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "tokenizer.json").exists() and (checkpoint / "chat_template.jinja").exists()
+    from transformers import AutoModelForCausalLM
+
+    try:
+        reload_weights(engine, checkpoint, version=0)
+        ids = [1, 10, 20, 30, 40, 2]
+        served = torch.tensor(teacher_forced_logprobs(engine.url, ids))
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert torch.allclose(served, ours.detach(), atol=1e-3)
+    finally:
+        reload_weights(engine, tiny_model_dir, version=0)
+
+
+def test_ctrl_c_stops_everything(engine, tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(HARNESS_TRAIN + [
+        "--vllm-url", engine.url, "--max-steps", "50", "--num-generations", "2", "--max-concurrent-rollouts", "2",
+        "--report-to", "none", "--output-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not any((out / "rollouts" / "trials").glob("*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no rollout started"
+        time.sleep(0.2)
+    time.sleep(1.0)  # agents are running in their jails now
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "--resume latest" in err
+    time.sleep(0.5)
+    assert _leftovers(str(tmp_path)) == []
+
+
+def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 7\nlearning-rate: 1e-3\nharness: opencode\nnum_generations: 3\n")
+    args = build_parser().parse_args(["train", "--config", str(config), "--harness", "mini-swe-agent",
+                                      "--num-generations", "5"])
+    cfg = train_config(args)
+    assert (cfg.max_steps, cfg.learning_rate, cfg.harness, cfg.num_generations) == (7, 1e-3, "mini-swe-agent", 5)
+    assert cfg.temperature == 1.0 and cfg.output_dir == "runs/train"  # untouched defaults
+    config.write_text("max_step: 7\n")
+    with pytest.raises(ConfigError, match="unknown option.*max_step.*max_steps"):
+        train_config(build_parser().parse_args(["train", "--config", str(config)]))
+
+
+def _occupied_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--harness", "aider"], "unknown harness 'aider': choose mini-swe-agent, opencode or command"),
+    (["--dataset", "builtin:nope"], "no builtin dataset 'nope'"),
+    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--vllm-url", "http://127.0.0.1:9"], "no healthy vLLM server at http://127.0.0.1:9"),
+    (["--engine-port", "PORT"], "is in use: choose another --engine-port"),
+    (["--harness", "command", "--agent-command", "/nonexistent/agent {instruction}"],
+     "the agent program /nonexistent/agent (from --agent-command) does not exist"),
+    (["--sandbox", "e2b"], "needs E2B_API_KEY"),
+    (["--reward", "no_such_module:fn"], "cannot import fn from no_such_module"),
+    (["--report-to", "tensorboard"], "choose trackio, wandb or none"),
+])
+def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("E2B_API_KEY", raising=False)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    extra = ["--output-dir", str(tmp_path / "run")] + ([] if "--report-to" in flags else ["--report-to", "none"])
+    with _occupied_port() as busy:
+        flags = [str(busy.getsockname()[1]) if f == "PORT" else f for f in flags]
+        assert main(flags + extra) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("harness-train: ") and says in err, err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert not (tmp_path / "run").exists()
+
+
+def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from harness_trainer.sft import sft_rows
+    from harness_trainer.traces import write_traces
+    from openenv.core.harness.training import TrainingTrace
+
+    prompt, completion = [1, 50, 60, 70, 2, 3], [300, 301, 302, 2]
+    trace = TrainingTrace.model_validate({"turns": [{
+        "node_id": "a", "prompt_token_ids": prompt, "completion_token_ids": completion,
+        "per_token_logps": [-5.0] * 4, "loss_mask": [0] * 6 + [1] * 4}]})
+    (tmp_path / "traces").mkdir()
+    write_traces(tmp_path / "traces" / "traces.jsonl", [trace] * 4)
+    rows = sft_rows(tmp_path / "traces")
+    assert rows[0] == {"input_ids": prompt + completion, "completion_mask": [0] * 6 + [1] * 4}
+    assert main(["sft", "--traces", str(tmp_path / "traces"), "--output-dir", str(tmp_path / "sft"),
+                 "--epochs", "30", "--learning-rate", "1e-2", "--batch-size", "4"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "final", dtype=torch.float32)
+    ids = torch.tensor([prompt + completion])
+    logp = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert float(logp[len(prompt) - 1:].detach().exp().min()) > 0.9  # the completion is learned ...
+    assert (tmp_path / "sft" / "final" / "tokenizer.json").exists()  # ... into a folder vLLM can serve
+    assert main(["sft", "--traces", str(tmp_path / "none")]) == 1
+
+
+def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):
+    assert main(["sft", "--traces", str(tmp_path)]) == 1
+    assert "no traces at" in capsys.readouterr().err
