@@ -48,7 +48,8 @@ def _eval(args: argparse.Namespace) -> int:
                      policy=args.policy, n=args.n, limit=args.limit, concurrency=args.concurrency,
                      sandbox=args.sandbox, step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
                      temperature=args.temperature, max_tokens=args.max_tokens, reward_key=args.reward_key,
-                     output_dir=args.output_dir, agent_command=args.agent_command)
+                     output_dir=args.output_dir, agent_command=args.agent_command, agent_config=args.agent_config,
+                     oracle_mistake_rate=args.oracle_mistake_rate)
     counts = {"ok": 0, "timeout": 0, "unscorable": 0, "wins": 0}
     with Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn()) as bar:
@@ -153,6 +154,67 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                             default=argparse.SUPPRESS, help=f.metadata["help"] + default)
 
 
+def _jobs(args: argparse.Namespace) -> int:
+    import json
+
+    from harness_trainer.jobs import launcher
+
+    if args.action == "launch":
+        train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+        cfg = launcher.JobLaunchConfig(
+            train_args=train_args, flavor=args.flavor, image=args.image, secrets=args.secrets.split(",") if
+            args.secrets else [], volumes=args.volume, timeout=args.timeout, push_to=args.push_to,
+            install=args.install, namespace=args.namespace, name=args.name)
+        spec = launcher.build_job(cfg)
+        if args.dry_run:
+            print(json.dumps(spec, indent=2))
+            return 0
+        job = launcher.submit(spec, namespace=args.namespace)
+        print(f"submitted job {job.id} ({spec['flavor']}): {job.url}\n"
+              f"follow it with: harness-train jobs logs {job.id} --follow")
+    elif args.action == "status":
+        job = launcher.status(args.job_id, args.namespace)
+        print(f"{job.id}  {job.status.stage}  {job.flavor}  {job.url}" + (f"  ({job.status.message})"
+                                                                          if job.status.message else ""))
+    elif args.action == "logs":
+        for line in launcher.logs(args.job_id, args.namespace, follow=args.follow):
+            print(line)
+    elif args.action == "cancel":
+        launcher.cancel(args.job_id, args.namespace)
+        print(f"cancelled job {args.job_id}")
+    return 0
+
+
+def _add_jobs_parser(sub) -> None:
+    from harness_trainer.jobs.launcher import DEFAULT_IMAGE, DEFAULT_INSTALL
+
+    jobs = sub.add_parser("jobs", help="run harness-train on Hugging Face Jobs (launch, status, logs, cancel)")
+    actions = jobs.add_subparsers(dest="action", metavar="ACTION", required=True)
+    launch = actions.add_parser(
+        "launch", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="submit a training job: harness-train jobs launch [OPTIONS] -- [harness-train flags]")
+    launch.add_argument("--flavor", default="h200x2", help="hardware: the engine takes GPU 0, the trainer the rest")
+    launch.add_argument("--image", default=DEFAULT_IMAGE, help="Docker image of the job")
+    launch.add_argument("--install", default=DEFAULT_INSTALL, help="pip requirement that installs this project")
+    launch.add_argument("--secrets", default="HF_TOKEN", help="comma-separated names of local environment "
+                        "variables sent as encrypted secrets (E2B_API_KEY is added for --sandbox e2b)")
+    launch.add_argument("--volume", action="append", default=[], help="TYPE:SOURCE:/MOUNT, e.g. "
+                        "bucket:me/runs:/data (repeatable)")
+    launch.add_argument("--timeout", default="4h", help="maximum duration (s, m, h, d)")
+    launch.add_argument("--push-to", default=None, help="Hub model repo that receives the final model and traces")
+    launch.add_argument("--namespace", default=None, help="user or organisation to run under (default: yours)")
+    launch.add_argument("--name", default=None, help="job name")
+    launch.add_argument("--dry-run", action="store_true", help="print the job specification and exit")
+    launch.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the harness-train flags")
+    for action, text in (("status", "a job's stage"), ("logs", "a job's logs"), ("cancel", "stop a job")):
+        p = actions.add_parser(action, help=text)
+        p.add_argument("job_id")
+        p.add_argument("--namespace", default=None, help="user or organisation (default: yours)")
+        if action == "logs":
+            p.add_argument("--follow", action="store_true", help="stream until the job ends")
+    jobs.set_defaults(func=_jobs)
+
+
 def _proxy(proxy_args: list[str]) -> int:
     """The proxy runs in its own environment (mitmproxy's pins): hand over to that interpreter."""
     import os
@@ -209,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ev.add_argument("--harness", default="mini-swe-agent", help="mini-swe-agent, opencode or command")
     ev.add_argument("--agent-command", default=None, help="for --harness command: a CLI template with {instruction}")
+    ev.add_argument("--agent-config", default=None,
+                    help="mini-swe-agent: a YAML file layered over its default config, or 'compact' (short prompt)")
+    ev.add_argument("--oracle-mistake-rate", type=float, default=0.0,
+                    help="with --policy oracle: share of solutions made plausibly wrong (first argument capitalised)")
     ev.add_argument("--dataset", default="builtin:toy-heldout",
                     help="folder of Harbor tasks, builtin:toy|toy-train|toy-heldout|bugfix, hf:OWNER/NAME")
     ev.add_argument("--model", default=None, help="model folder to serve (default: the embedded tiny model)")
@@ -241,12 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
     sft.set_defaults(func=_sft)
 
+    _add_jobs_parser(sub)
+
     # Listed for --help only: main() hands `proxy ...` to the proxy's own interpreter before parsing.
     sub.add_parser("proxy", add_help=False, help="run the capture proxy (`harness-train proxy --help` lists its flags)")
     return parser
 
 
-COMMANDS = ("train", "model", "serve", "eval", "sft", "proxy")
+COMMANDS = ("train", "model", "serve", "eval", "sft", "jobs", "proxy")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.adapters.sandbox import SandboxError
     from harness_trainer.adapters.tasks import TaskError
     from harness_trainer.engine import EngineError
+    from harness_trainer.jobs.launcher import JobError
     from harness_trainer.proxy.client import ProxyError
     from harness_trainer.rewards import RewardError
     from harness_trainer.sft import SFTError
@@ -273,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (EngineError, FileExistsError, FileNotFoundError, TaskError, SandboxError, AdapterError, ProxyError,
-            SFTError, ConfigError, RewardError, TrainingStopped) as exc:
+            SFTError, ConfigError, RewardError, TrainingStopped, JobError) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
         return 1
 

@@ -39,6 +39,8 @@ class EvalConfig:
     reward_key: str = "reward"
     output_dir: str = "runs/eval"
     agent_command: str | None = None
+    agent_config: str | None = None  # mini-swe-agent: YAML layered over its default, or "compact"
+    oracle_mistake_rate: float = 0.0  # --policy oracle: share of solutions made plausibly wrong
 
 
 @dataclass
@@ -97,7 +99,8 @@ def model_upstream(cfg: EvalConfig, tasks: list[Task], out: Path):
         if cfg.policy == "oracle":
             from harness_trainer.adapters.oracle import OracleUpstream
 
-            oracle = stack.enter_context(OracleUpstream(engine.url, tasks, model=engine.model_name))
+            oracle = stack.enter_context(OracleUpstream(engine.url, tasks, model=engine.model_name,
+                                                        mistake_rate=cfg.oracle_mistake_rate))
             yield oracle.url, engine
         elif cfg.policy == "model":
             yield engine.url, engine
@@ -117,7 +120,8 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         factory = LocalSessionFactory(
             {"temperature": cfg.temperature, "max_tokens_cap": cfg.max_tokens}, proxy=proxy.client,
             harness=cfg.harness, sandbox=cfg.sandbox, output_dir=out, step_limit=cfg.step_limit,
-            agent_timeout_s=cfg.agent_timeout_s, reward_key=cfg.reward_key, agent_command=cfg.agent_command)
+            agent_timeout_s=cfg.agent_timeout_s, reward_key=cfg.reward_key, agent_command=cfg.agent_command,
+            agent_config=cfg.agent_config)
         jobs = [(task, f"{task.name}-{i}") for task in tasks for i in range(cfg.n)]
         with ThreadPoolExecutor(cfg.concurrency) as pool:
             futures = [pool.submit(run_rollout, factory, task, episode) for task, episode in jobs]

@@ -147,12 +147,14 @@ def pack(chains: list[Chain]) -> PackedTree:
 def tree_logprobs(model, tree: PackedTree, temperature: float = 1.0, entropy: bool = False):
     """Logprob under `model` of every trained token of the tree, in tree order ([T], with gradients);
     with entropy=True also the policy's entropy at those positions ([T], no gradient)."""
-    logits = model(input_ids=tree.ids[None], position_ids=tree.depth[None],
-                   attention_mask=tree.attention_mask(next(model.parameters()).dtype)).logits[0]
-    targets = torch.nonzero(tree.trained).squeeze(-1)
-    context = tree.parent[targets]
+    weight = next(model.parameters())
+    ids = tree.ids.to(weight.device)
+    logits = model(input_ids=ids[None], position_ids=tree.depth[None].to(weight.device),
+                   attention_mask=tree.attention_mask(weight.dtype).to(weight.device)).logits[0]
+    targets = torch.nonzero(tree.trained).squeeze(-1).to(weight.device)
+    context = tree.parent.to(weight.device)[targets]
     logp = torch.log_softmax(logits[context].float() / temperature, dim=-1)
-    chosen = logp.gather(-1, tree.ids[targets][:, None]).squeeze(-1)
+    chosen = logp.gather(-1, ids[targets][:, None]).squeeze(-1)
     if not entropy:
         return chosen
     with torch.no_grad():

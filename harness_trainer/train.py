@@ -37,6 +37,9 @@ class TrainRunConfig:
     sandbox: str = _opt("local", "local, e2b, docker or harbor[:ENV]")
     vllm_url: str | None = _opt(None, "attach to a running vLLM instead of launching one for --model")
     engine_port: int = _opt(0, "port for the launched engine (0: a free one)")
+    proxy_port: int = _opt(0, "port for the capture proxy (0: a free one)")
+    public_url: str | None = _opt(None, "URL at which remote sandboxes (e2b) reach the proxy; the proxy then "
+                                        "listens on all interfaces")
     num_generations: int = _opt(4, "rollouts per task in a group")
     max_concurrent_rollouts: int = _opt(8, "rollouts running at once")
     max_steps: int = _opt(20, "optimizer steps")
@@ -47,6 +50,7 @@ class TrainRunConfig:
     agent_timeout: float | None = _opt(None, "seconds per rollout (default: the task's)")
     agent_step_limit: int = _opt(6, "agent steps per rollout")
     agent_command: str | None = _opt(None, "for --harness command: a template with {instruction}")
+    agent_config: str | None = _opt(None, "mini-swe-agent: YAML layered over its default config, or 'compact'")
     reward: str = _opt("verifier", "verifier, verifier+tools, module:function or an entry-point name")
     reward_key: str = _opt("reward", "key of the verifier's reward.json")
     weight_sync_steps: int = _opt(1, "steps between weight syncs into vLLM")
@@ -100,15 +104,15 @@ def resolve_config(file_values: dict, flag_values: dict) -> TrainRunConfig:
     return cfg
 
 
-def check_port_free(port: int) -> None:
+def check_port_free(port: int, flag: str) -> None:
     if not port:
         return
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise ConfigError(f"port {port} is in use: choose another --engine-port (0 picks a free one), or stop "
-                              "what listens there") from None
+            raise ConfigError(f"port {port} is in use: choose another {flag} (0 picks a free one), or stop what "
+                              "listens there") from None
 
 
 class MetricsReporter:
@@ -160,24 +164,40 @@ def plot_reward_curve(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def resolve_model(name: str) -> Path:
+    """A local model folder, or a Hub repo id (OWNER/NAME) downloaded into the Hub cache."""
+    from harness_trainer.engine import check_model_dir
+
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") != 1:
+        return check_model_dir(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name))
+    except Exception as exc:  # offline, gated, missing: all the same to the user
+        raise ConfigError(f"--model {name}: not a folder here, and the Hub repo could not be fetched ({exc}). "
+                          "Give a local model folder, or check the repo id, HF_TOKEN and network") from None
+
+
 def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
     from harness_trainer.adapters.harnesses import make_harness
     from harness_trainer.adapters.sandbox import make_sandbox
     from harness_trainer.adapters.session import LocalSessionFactory
     from harness_trainer.adapters.tasks import load_dataset
-    from harness_trainer.engine import EngineConfig, VLLMServer, check_model_dir
+    from harness_trainer.engine import EngineConfig, VLLMServer
     from harness_trainer.proxy.client import ProxyServer
     from harness_trainer.rewards import resolve_reward_fn
     from harness_trainer.tiny_model import ensure_tiny_model
     from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     # 1. Everything that can fail offline fails here, before a process is started.
-    make_harness(cfg.harness, cfg.agent_command).check_installed()
+    make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
     tasks = load_dataset(cfg.dataset)
-    model_dir = check_model_dir(cfg.model) if cfg.model else ensure_tiny_model()
-    if cfg.sandbox != "local":
-        make_sandbox(cfg.sandbox, Path("/nonexistent"))  # raises with what is missing (credentials, daemon)
+    model_dir = resolve_model(cfg.model) if cfg.model else ensure_tiny_model()
+    if cfg.sandbox != "local":  # raises with what is missing (credentials, daemon, public URL)
+        make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
     reward_fn = resolve_reward_fn(cfg.reward)
     out = Path(cfg.output_dir)
     resume = str(out / "latest") if cfg.resume == "latest" else cfg.resume
@@ -190,7 +210,8 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
     attached = VLLMServer.attach(cfg.vllm_url) if cfg.vllm_url else None
     if not attached:
-        check_port_free(cfg.engine_port)
+        check_port_free(cfg.engine_port, "--engine-port")
+    check_port_free(cfg.proxy_port, "--proxy-port")
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
@@ -202,13 +223,14 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
         else:
             engine = stack.enter_context(VLLMServer(EngineConfig(
                 model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log")))
-        proxy = stack.enter_context(ProxyServer(engine.url, model=engine.model_name, journal=out / "journal",
-                                                log_path=out / "proxy.log"))
+        proxy = stack.enter_context(ProxyServer(
+            engine.url, model=engine.model_name, port=cfg.proxy_port, host="0.0.0.0" if cfg.public_url else "127.0.0.1",
+            journal=out / "journal", log_path=out / "proxy.log"))
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         factory = partial(LocalSessionFactory, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox,
                           output_dir=out / "rollouts", step_limit=cfg.agent_step_limit,
                           agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key,
-                          agent_command=cfg.agent_command)
+                          agent_command=cfg.agent_command, agent_config=cfg.agent_config, public_url=cfg.public_url)
         args = AsyncGRPOConfig(
             output_dir=str(out), vllm_server_base_url=engine.url, num_generations=cfg.num_generations,
             max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_staleness=cfg.max_staleness,

@@ -101,6 +101,10 @@ class HarnessAsyncGRPOTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if self.model_dir else model
         self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask
         self.rank, self.world_size = _init_distributed()
+        # One device per rank: the rank's GPU where there is one (the engine holds its own), else the CPU.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.model.to(self.device)
         # A frozen copy of the starting policy, only when the loss has a KL term to it.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.kl_beta else None
         # The trainer owns the sampling policy and hands it to the factory before any session starts
@@ -201,10 +205,10 @@ class HarnessAsyncGRPOTrainer:
         chains = [c for c in chains if c.rollout % self.world_size == self.rank]
         self.model.train()
         self.optimizer.zero_grad()
-        loss, stats = torch.zeros(()), {}
+        loss, stats = torch.zeros((), device=self.device), {}
         if chains and (tree := pack(chains)).trained.any():
-            adv = torch.tensor(advantages)[tree.rollout[tree.trained]]
-            behaviour = tree.behaviour[tree.trained]
+            adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
+            behaviour = tree.behaviour[tree.trained].to(self.device)
             proximal = reference = None
             with torch.no_grad():
                 if self.loss_cfg.mode == "decoupled":
@@ -261,7 +265,7 @@ class HarnessAsyncGRPOTrainer:
         served = torch.tensor(teacher_forced_logprobs(url, ids))
         with torch.no_grad():
             self.model.eval()
-            logits = self.model(torch.tensor([ids])).logits[0, :-1]
+            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].cpu()
             ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
         gap = float((served.double() - ours).abs().max())
         if gap > self.args.probe_tolerance:
@@ -386,6 +390,8 @@ def _init_distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()

@@ -34,7 +34,9 @@ def make_task(root: Path, name="t", toml='[agent]\ntimeout_sec = 30\n', test="ec
 def test_builtin_sets_parse_with_splits():
     train, heldout, bugfix = (load_dataset(f"builtin:{n}") for n in ("toy-train", "toy-heldout", "bugfix"))
     assert len(train) == 48 and len(heldout) == 16 and len(bugfix) == 5
-    assert not {t.metadata["word"] for t in train} & {t.metadata["word"] for t in heldout}
+    pairs = lambda tasks: {(t.metadata["word"], t.metadata["file"]) for t in tasks}  # noqa: E731
+    assert not pairs(train) & pairs(heldout) and len(pairs(train) | pairs(heldout)) == 64
+    assert {t.metadata["word"] for t in heldout} <= {t.metadata["word"] for t in train}
     assert all(t.solution and t.app_files() for t in train + bugfix)
     assert len(load_dataset("builtin:toy")) == 64
 
@@ -114,7 +116,7 @@ def test_planted_reward_scores_nothing(tmp_path):
     box.exec("mkdir -p /logs/verifier && echo '{\"reward\": 1}' > /logs/verifier/reward.json && "
              "echo 1 > /logs/verifier/reward.txt && printf '#!/bin/bash\\nexit 0\\n' > /tests/test.sh", 10)
     assert verify(box, task).reward == 0.0
-    box.exec(f"echo {task.metadata['word']} > /app/answer.txt", 10)
+    box.exec(f"echo {task.metadata['word']} > /app/{task.metadata['file']}", 10)
     assert verify(box, task).reward == 1.0
 
 
@@ -176,10 +178,10 @@ def toy():
 
 
 def test_rollout_ok_and_timeout_keep_turns_and_score(proxy, tmp_path):
-    word = toy().metadata["word"]
-    ok = run_rollout(command_factory(proxy, tmp_path, f"echo {word} > answer.txt"), toy())
+    solve = "echo {word} > {file}".format(**toy().metadata)
+    ok = run_rollout(command_factory(proxy, tmp_path, solve), toy())
     assert ok.status == "ok" and ok.outcome.env_reward == 1.0 and len(ok.outcome.trace) == 1
-    slow = run_rollout(command_factory(proxy, tmp_path, f"echo {word} > answer.txt; sleep 600",
+    slow = run_rollout(command_factory(proxy, tmp_path, f"{solve}; sleep 600",
                                        agent_timeout_s=3), toy())
     assert slow.status == "timeout" and slow.outcome.timed_out
     assert slow.outcome.env_reward == 1.0 and len(slow.outcome.trace) == 1  # turns and score both kept

@@ -1,7 +1,8 @@
 """Builtin task sets, written out as ordinary Harbor task folders (cached) so one reader serves them all.
 
-  toy      "Write WORD into answer.txt": short, deterministic, many variants, learnable by the tiny model.
-           `builtin:toy-train` (48 tasks) and `builtin:toy-heldout` (16 tasks, words never seen in training).
+  toy      "Write the word W into the file F.": short, deterministic, learnable by the tiny model.
+           `builtin:toy-train` (48 tasks) and `builtin:toy-heldout` (16 (word, file) pairs never seen together
+           in training).
   bugfix   small real Python bug fixes (off-by-one, wrong operator, missing case, ...) with test scripts,
            for real models.
 """
@@ -15,18 +16,21 @@ from pathlib import Path
 
 from harness_trainer.tiny_model import cache_root
 
-WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "ocean", "pixel", "amber", "cedar",
-         "delta", "ember", "frost", "grape", "harbor", "iris", "jasper", "koala", "lotus", "mango", "nectar",
-         "olive", "pepper", "quartz", "raven", "sage", "tulip", "umber", "violet", "willow", "yarrow", "zebra",
-         "acorn", "bison", "cobalt", "dune", "eagle", "fern", "garnet", "hazel", "ivory", "juniper", "kelp",
-         "lilac", "meadow", "nova", "opal", "plum", "quail", "reef", "saffron", "thistle", "upland", "vale",
-         "wren", "xenon", "yew", "zinnia", "birch", "coral", "dahlia", "elm", "fig"]
-TOY_TRAIN, TOY_HELDOUT = WORDS[:48], WORDS[48:64]
+# The toy set: "Write the word W into the file F." for 8 words x 8 files. The held-out split is 16 (word, file)
+# pairs never seen together in training (a Latin-square pattern: every word and every file appears in training
+# 6 times, and twice in held-out), so solving it means reading both from the instruction, not recalling a task.
+# A tiny random model cannot copy text it never produced, which is why held-out pairs reuse seen words/files.
+WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "ocean"]
+FILES = ["answer.txt", "notes.txt", "out.txt", "word.txt", "result.txt", "a.txt", "b.txt", "c.txt"]
+PAIRS = [(w, f) for w in range(8) for f in range(8)]
+HELDOUT = [(w, (w + k) % 8) for w in range(8) for k in (0, 4)]
+TOY_TRAIN = [(WORDS[w], FILES[f]) for w, f in PAIRS if (w, f) not in HELDOUT]
+TOY_HELDOUT = [(WORDS[w], FILES[f]) for w, f in HELDOUT]
 
 TOY_TEST = """#!/bin/bash
-# Reward 1 when /app/answer.txt holds exactly the word, else 0.
+# Reward 1 when /app/{file} holds exactly the word, else 0.
 mkdir -p /logs/verifier
-if [ "$(cat /app/answer.txt 2>/dev/null | tr -d '[:space:]')" = "{word}" ]; then echo 1 > /logs/verifier/reward.txt
+if [ "$(cat /app/{file} 2>/dev/null | tr -d '[:space:]')" = "{word}" ]; then echo 1 > /logs/verifier/reward.txt
 else echo 0 > /logs/verifier/reward.txt; fi
 """
 
@@ -62,15 +66,15 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
-def _toy(root: Path, words: list[str], split: str) -> None:
-    for i, word in enumerate(words):
-        task = root / f"toy-{split}-{i:03d}-{word}"
-        _write(task / "instruction.md", f"Write the word {word} into the file answer.txt.\n")
+def _toy(root: Path, pairs: list[tuple[str, str]], split: str) -> None:
+    for i, (word, file) in enumerate(pairs):
+        task = root / f"toy-{split}-{i:03d}-{word}-{file.removesuffix('.txt')}"
+        _write(task / "instruction.md", f"Write the word {word} into the file {file}.\n")
         _write(task / "task.toml", f'[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 30\n\n'
-                                   f'[metadata]\nset = "toy"\nsplit = "{split}"\nword = "{word}"\n')
+                                   f'[metadata]\nset = "toy"\nsplit = "{split}"\nword = "{word}"\nfile = "{file}"\n')
         _write(task / "environment" / "app" / ".keep", "")
-        _write(task / "tests" / "test.sh", TOY_TEST.format(word=word), 0o755)
-        _write(task / "solution" / "solve.sh", f"#!/bin/bash\necho {word} > answer.txt\n", 0o755)
+        _write(task / "tests" / "test.sh", TOY_TEST.format(word=word, file=file), 0o755)
+        _write(task / "solution" / "solve.sh", f"#!/bin/bash\necho {word} > {file}\n", 0o755)
 
 
 def _bugfix(root: Path) -> None:

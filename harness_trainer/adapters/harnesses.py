@@ -71,9 +71,20 @@ def _read(sandbox: Sandbox, inside: str) -> str | None:
             return None
 
 
+COMPACT_CONFIG = Path(__file__).with_name("mini_compact.yaml")
+
+
 class MiniSweAgent:
-    """mini-swe-agent (PyPI), non-interactive, talking litellm's hosted_vllm provider to the session."""
+    """mini-swe-agent (PyPI), non-interactive, talking litellm's hosted_vllm provider to the session.
+    `config`: a YAML file layered over its default mini.yaml (or "compact", the packaged short prompt)."""
     name = "mini-swe-agent"
+
+    def __init__(self, config: str | None = None):
+        path = COMPACT_CONFIG if config == "compact" else Path(config) if config else None
+        if path is not None and not path.is_file():
+            raise AdapterError(f"--agent-config {config}: no such file (give a mini-swe-agent YAML file, or "
+                               "'compact' for the packaged short prompt)")
+        self.config_text = path.read_text() if path else None
 
     def check_installed(self) -> None:
         if not MINI.exists():
@@ -84,12 +95,17 @@ class MiniSweAgent:
             shlex.quote(str(MINI)), "-m", shlex.quote(f"hosted_vllm/{run.model}"), "-c", "mini.yaml",
             "-c", shlex.quote(f"model.model_kwargs.api_base={run.base_url}"),
             "-c", shlex.quote(f"model.model_kwargs.api_key={run.api_key}"),
+            *(["-c", "/logs/agent/config.yaml"] if self.config_text else []),
             "-c", f"agent.step_limit={run.step_limit}", "-c", "environment.cwd=/app",
             "-y", "--exit-immediately", "-t", '"$HARNESS_TASK"', "-o", "/logs/agent/traj.json", "</dev/null"])
         env = {"HARNESS_TASK": run.instruction, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_GLOBAL_CONFIG_DIR": "/home/.mini",
                "MSWEA_CONFIGURED": "true", "OPENAI_API_KEY": run.api_key}
-        return "mkdir -p /logs/agent && " + command, env
+        setup = "mkdir -p /logs/agent && "
+        if self.config_text:
+            env["HARNESS_MINI_CONFIG"] = self.config_text
+            setup += "printf '%s' \"$HARNESS_MINI_CONFIG\" > /logs/agent/config.yaml && "
+        return setup + command, env
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
         text = _read(sandbox, "/logs/agent/traj.json")
@@ -192,9 +208,11 @@ class CommandHarness:
                            exit_status=f"exit {result.returncode}")
 
 
-def make_harness(name: str, command: str | None = None) -> Harness:
+def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:
+    if config and name != "mini-swe-agent":
+        raise AdapterError(f"--agent-config is read by the mini-swe-agent adapter only, not by {name}")
     if name == "mini-swe-agent":
-        return MiniSweAgent()
+        return MiniSweAgent(config)
     if name == "opencode":
         return OpenCode()
     if name == "command":

@@ -11,6 +11,7 @@ gives it (teacher-forced), so traces validate and train like any other.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 import uuid
@@ -23,6 +24,13 @@ from harness_trainer.process import free_port
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 
+def plausible_mistake(command: str) -> str:
+    """The same command with its first argument capitalised (`echo Apple > notes.txt`): well formed, close to
+    right, and wrong — what a sloppy solver does. Demonstrations with it leave something for RL to fix."""
+    program, _, rest = command.partition(" ")
+    return f"{program} {rest[:1].upper()}{rest[1:]}" if rest else command
+
+
 def solution_command(task: Task) -> str:
     lines = [line for line in task.solution.read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
@@ -32,9 +40,11 @@ def solution_command(task: Task) -> str:
 class OracleUpstream:
     """Runs in a thread of the calling process (uvicorn); `url` is its base URL."""
 
-    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny"):
+    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0,
+                 seed: int = 0):
         self.engine = engine_url.rstrip("/")
         self.model = model
+        self.mistake_rate, self.rng = mistake_rate, random.Random(seed)
         self.solutions = {t.instruction: solution_command(t) for t in tasks if t.solution}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,7 +72,10 @@ class OracleUpstream:
                for c in m.get("tool_calls") or [] if c.get("function", {}).get("arguments")]
         if command is None:
             return {"role": "assistant", "content": "I do not know this task."}
-        step = SUBMIT if command in ran else command
+        if command in ran or plausible_mistake(command) in ran:
+            step = SUBMIT
+        else:
+            step = plausible_mistake(command) if self.rng.random() < self.mistake_rate else command
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
             "function": {"name": "bash", "arguments": json.dumps({"command": step})}}]}

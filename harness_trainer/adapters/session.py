@@ -168,10 +168,11 @@ class LocalSessionFactory:
     def __init__(self, sampling: dict | None = None, *, proxy: ProxyClient, harness: str | Harness = "mini-swe-agent",
                  sandbox: str = "local", output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
                  agent_timeout_s: float | None = None, max_model_calls: int | None = None,
-                 reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None):
+                 reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None,
+                 agent_config: str | None = None):
         self.sampling = dict(sampling or {})
         self.proxy = proxy
-        self.harness = make_harness(harness, agent_command) if isinstance(harness, str) else harness
+        self.harness = make_harness(harness, agent_command, agent_config) if isinstance(harness, str) else harness
         self.harness.check_installed()
         self.sandbox_kind, self.public_url = sandbox, public_url
         self.output_dir = Path(output_dir)
