@@ -75,6 +75,7 @@ class AsyncGRPOConfig:
     kl_beta: float = 0.0
     scale_rewards: bool = False
     seed: int = 0
+    shuffle_dataset: bool = True
     resume_from_checkpoint: str | None = None
 
 
@@ -132,9 +133,13 @@ class HarnessAsyncGRPOTrainer:
     # ---- rollouts ----------------------------------------------------------------------------------------
 
     def _next_task(self) -> Task:
-        task = self.tasks[self.task_cursor % len(self.tasks)]
+        """Each pass over the dataset in its own seeded order; the cursor alone fixes the position (resume)."""
+        n = len(self.tasks)
+        epoch, index = divmod(self.task_cursor, n)
+        order = random.Random(f"{self.args.seed}-{epoch}").sample(range(n), n) if self.args.shuffle_dataset \
+            else range(n)
         self.task_cursor += 1
-        return task
+        return self.tasks[order[index]]
 
     def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future], list]:
         task, sessions = self._next_task(), []

@@ -4,7 +4,6 @@ real async run (engine, proxy, sandbox) trains with two ranks."""
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 import textwrap

@@ -60,7 +60,8 @@ def fresh_engine(engine, tiny_model_dir):
 
 def config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:
     base = dict(output_dir=str(tmp_path / "run"), vllm_server_base_url=engine.url, num_generations=2,
-                max_concurrent_rollouts=2, max_steps=2, learning_rate=1e-3, max_completion_tokens=16, save_steps=1)
+                max_concurrent_rollouts=2, max_steps=2, learning_rate=1e-3, max_completion_tokens=16, save_steps=1,
+                shuffle_dataset=False)  # tests below rely on the order of their tasks
     return AsyncGRPOConfig(**base | overrides)
 
 
@@ -193,3 +194,16 @@ def test_nccl_sync_fails_fast_on_cpu(tmp_path):
         pytest.skip("a CUDA device is present")
     with pytest.raises(ValueError, match="no CUDA device. Use weight_sync_backend='reload'"):
         HarnessAsyncGRPOTrainer("unused", None, AsyncGRPOConfig(weight_sync_backend="nccl"), [])
+
+
+def test_dataset_order_is_shuffled_per_pass_and_resumes_from_the_cursor(tiny_model_dir, tmp_path):
+    tasks = [f"task-{i}" for i in range(6)]  # the order logic never looks inside a task
+    make = lambda: HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: None,  # noqa: E731
+                                           AsyncGRPOConfig(output_dir=str(tmp_path), seed=3), tasks)
+    first = make()
+    order = [first._next_task() for _ in range(12)]
+    assert sorted(order[:6]) == sorted(order[6:]) == sorted(tasks)  # every pass sees every task once
+    assert order[:6] != tasks and order[:6] != order[6:]  # shuffled, and differently each pass
+    resumed = make()
+    resumed.task_cursor = 7  # as restored from a checkpoint
+    assert [resumed._next_task() for _ in range(5)] == order[7:12]
