@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Each runs the idempotent set-up first.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow demo bench clean
+.PHONY: setup test test-slow demo engine-demo bench clean
 
 setup:
 	@HARBOR=$(HARBOR) bash scripts/setup.sh
@@ -12,7 +12,13 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -m slow
 
+# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~20 min).
 demo: setup
+	rm -rf runs/demo
+	$(PY) -m harness_trainer.proof --output-dir runs/demo
+
+# The engine half on its own: captured ids/logprobs, a weight reload, vLLM vs transformers (~1 min).
+engine-demo: setup
 	$(PY) -m harness_trainer.demo
 
 bench: setup

@@ -223,9 +223,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
         else:
             engine = stack.enter_context(VLLMServer(EngineConfig(
                 model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log")))
-        proxy = stack.enter_context(ProxyServer(
-            engine.url, model=engine.model_name, port=cfg.proxy_port, host="0.0.0.0" if cfg.public_url else "127.0.0.1",
-            journal=out / "journal", log_path=out / "proxy.log"))
+        host = "0.0.0.0" if cfg.public_url else "127.0.0.1"  # remote sandboxes reach it from outside
+        proxy = stack.enter_context(ProxyServer(engine.url, model=engine.model_name, port=cfg.proxy_port, host=host,
+                                                journal=out / "journal", log_path=out / "proxy.log"))
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         factory = partial(LocalSessionFactory, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox,
                           output_dir=out / "rollouts", step_limit=cfg.agent_step_limit,
@@ -241,7 +241,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
                                           callbacks=[*(callbacks or []), reporter])
         reporter.start()
         try:
-            history = trainer.train()
+            trainer.train()
         finally:
             reporter.finish()
     # 4. What the run leaves behind.

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -156,3 +155,19 @@ def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path):
 def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):
     assert main(["sft", "--traces", str(tmp_path)]) == 1
     assert "no traces at" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_opencode_trains_on_the_toy_set(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(HARNESS_TRAIN + [
+        "--harness", "opencode", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
+        "--max-concurrent-rollouts", "2", "--max-completion-tokens", "32", "--agent-timeout", "120",
+        "--learning-rate", "1e-3", "--report-to", "none", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and len(records) == 4
+    assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # opencode's turns were captured, trainable
+    assert _leftovers(str(tmp_path)) == []
