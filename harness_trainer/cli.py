@@ -81,10 +81,12 @@ class TrainProgress:
     """The live display: a trainer callback (on_rollout, on_step) rendered with rich."""
 
     def __init__(self, max_steps: int):
-        self.max_steps, self.step, self.version, self.tokens = max_steps, 0, 0, 0
+        self.max_steps, self.step, self.version, self.tokens, self.launched = max_steps, 0, 0, 0, 0
         self.done: dict[str, int] = {}
         self.reward = self.sync_s = None
-        self.started = None
+
+    def on_launch(self, count: int) -> None:
+        self.launched += count
 
     def on_rollout(self, record) -> None:
         status = getattr(record, "status", "error")
@@ -104,7 +106,8 @@ class TrainProgress:
         reward = f"{self.reward:.3f}" if self.reward is not None else "-"
         sync = f"{self.sync_s * 1000:.0f} ms" if self.sync_s is not None else "-"
         for key, value in (("step", f"{self.step} / {self.max_steps}"),
-                           ("rollouts", f"ok {self.done.get('ok', 0)}   not ok: {failed}"),
+                           ("rollouts", f"in flight {self.launched - sum(self.done.values())}   "
+                                        f"ok {self.done.get('ok', 0)}   not ok: {failed}"),
                            ("reward (last step)", reward), ("tokens trained", self.tokens),
                            ("policy version", self.version), ("last weight sync", sync)):
             table.add_row(f"[bold]{key}[/]", str(value))

@@ -86,7 +86,8 @@ class TrainingStopped(RuntimeError):
 class HarnessAsyncGRPOTrainer:
     def __init__(self, model, harness_session_factory, args: AsyncGRPOConfig, train_dataset: list[Task],
                  rollout_reward_fn=None, callbacks: list | None = None):
-        """callbacks: objects with any of on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
+        """callbacks: objects with any of on_launch(n), on_rollout(record_or_exception), on_step(metrics),
+        log(metrics)."""
         from transformers import AutoModelForCausalLM
 
         self.args = args
@@ -145,6 +146,7 @@ class HarnessAsyncGRPOTrainer:
         task, sessions = self._next_task(), []
         futures = [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}",
                                sessions.append) for g in range(self.args.num_generations)]
+        self._notify("on_launch", len(futures))
         for future in futures:
             future.add_done_callback(self._rollout_done)
         return task, futures, sessions
