@@ -67,7 +67,8 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
     print("(c) SFT on the solver traces", flush=True)
     t = time.monotonic()
     sft = run_sft(SFTRunConfig(traces=str(out / "solver"), model=str(base), output_dir=str(out / "sft"),
-                               num_train_epochs=sft_epochs, learning_rate=3e-3, per_device_train_batch_size=8))
+                               num_train_epochs=sft_epochs, learning_rate=3e-3, per_device_train_batch_size=8,
+                               lr_scheduler_type="constant_with_warmup"))
     timings["c_sft_s"] = time.monotonic() - t
 
     print("(d) SFT model on the held-out tasks", flush=True)
@@ -78,10 +79,12 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
 
     print(f"(e) GRPO from the SFT model, {grpo_steps} steps", flush=True)
     t = time.monotonic()
+    # lr 1e-4, not SFT's 3e-3: Adam's first steps move every weight by ~lr whatever its gradient, and GRPO's
+    # gradients are noisy; at 1e-3 the tiny model lost its tool-call format within ten steps.
     summary = run_training(TrainRunConfig(
         harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-train", model=str(sft),
         vllm_url=engine_url, num_generations=8, max_concurrent_rollouts=16, max_steps=grpo_steps,
-        learning_rate=1e-3, temperature=1.0, max_completion_tokens=64, agent_step_limit=3, save_steps=grpo_steps,
+        learning_rate=1e-4, temperature=1.0, max_completion_tokens=64, agent_step_limit=3, save_steps=grpo_steps,
         output_dir=str(out / "grpo"), report_to="none"))
     timings["e_grpo_s"] = time.monotonic() - t
 
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-url", default=None, help="attach to a vLLM serving the tiny model (default: launch)")
     parser.add_argument("-n", type=int, default=2, help="eval rollouts per held-out task (default: 2)")
     parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
-    parser.add_argument("--sft-epochs", type=float, default=60, help="SFT epochs over the solver traces (default: 60)")
+    parser.add_argument("--sft-epochs", type=float, default=100,
+                        help="SFT epochs over the solver traces (default: 100)")
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
     if out.exists() and any(out.iterdir()):

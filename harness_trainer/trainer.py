@@ -31,6 +31,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -152,7 +153,8 @@ class HarnessAsyncGRPOTrainer:
         return task, futures, sessions
 
     def _rollout_done(self, future: Future) -> None:
-        if future.cancelled():
+        if future.cancelled():  # never started: stale before its turn
+            self._notify("on_rollout", SimpleNamespace(status="cancelled"))
             return
         self._notify("on_rollout", future.exception() or future.result())
 
