@@ -358,8 +358,9 @@ class HarnessAsyncGRPOTrainer:
                     while len(pending) < groups_in_flight:
                         task, futures, sessions = self._launch_group(pool)
                         pending.append((task, futures, sessions, self.version))
-                    task, futures, _, launched = pending.popleft()
-                    records = self._collect(futures)
+                    task, futures, _, launched = pending[0]
+                    records = self._collect(futures)  # an interrupt here still finds the group in `pending`
+                    pending.popleft()
                     versions = [v for r in records for v in r.policy_versions]
                     staleness = self.version - min(versions) if versions else self.version - launched
                     started = time.perf_counter()

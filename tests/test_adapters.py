@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.adapters.harnesses import CommandHarness
+from harness_trainer.adapters.harnesses import AdapterError, CommandHarness
 from harness_trainer.adapters.sandbox import E2BSandbox, LocalSandbox, SandboxError
 from harness_trainer.adapters.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
                                               run_rollout)
@@ -188,8 +188,10 @@ def test_rollout_ok_and_timeout_keep_turns_and_score(proxy, tmp_path):
 
 
 def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
+    with pytest.raises(AdapterError, match="the agent program /no/such/agent .* does not exist"):
+        LocalSessionFactory(proxy=proxy.client, harness=CommandHarness("/no/such/agent {instruction}"))
     not_started = run_rollout(LocalSessionFactory(proxy=proxy.client, harness=CommandHarness(
-        "/no/such/agent {instruction}"), output_dir=tmp_path), toy())
+        "no-such-agent-program {instruction}"), output_dir=tmp_path), toy())  # a bare name: the sandbox's PATH
     assert not_started.status == "unscorable" and "did not start" in not_started.reason
     assert not_started.outcome.env_reward is None and not_started.training_trace is None
     monkeypatch.delenv("E2B_API_KEY", raising=False)
