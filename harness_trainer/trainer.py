@@ -144,9 +144,9 @@ class HarnessAsyncGRPOTrainer:
         return self.tasks[order[index]]
 
     def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future], list]:
-        task, sessions = self._next_task(), []
+        task, sessions = self._next_task(), _Sessions()
         futures = [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}",
-                               sessions.append) for g in range(self.args.num_generations)]
+                               sessions.add) for g in range(self.args.num_generations)]
         self._notify("on_launch", len(futures))
         for future in futures:
             future.add_done_callback(self._rollout_done)
@@ -170,10 +170,7 @@ class HarnessAsyncGRPOTrainer:
             if self.version - launched > self.args.max_staleness:
                 for future in futures:
                     cancelled += future.cancel()  # not started yet
-                for session in list(sessions):
-                    if not session.cancelled:
-                        session.cancel()
-                        cancelled += 1
+                cancelled += sessions.cancel_all()
         return cancelled
 
     def _collect(self, futures: list[Future]) -> list[RolloutRecord]:
@@ -390,9 +387,27 @@ class HarnessAsyncGRPOTrainer:
                 for _, futures, sessions, _ in pending:  # in-flight work of a finished run is stopped
                     for future in futures:
                         future.cancel()
-                    for session in list(sessions):
-                        session.cancel()
+                    sessions.cancel_all()
         return self.history
+
+
+class _Sessions(list):
+    """The live sessions of one group. Once cancelled, a session registering late is cancelled on arrival."""
+    stopped = False
+
+    def add(self, session) -> None:
+        self.append(session)
+        if self.stopped:
+            session.cancel()
+
+    def cancel_all(self) -> int:
+        self.stopped = True
+        count = 0
+        for session in list(self):
+            if not session.cancelled:
+                session.cancel()
+                count += 1
+        return count
 
 
 def _init_distributed() -> tuple[int, int]:

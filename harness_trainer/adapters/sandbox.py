@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,7 @@ def _run(argv: list[str], timeout_s: float, on_timeout, on_start=None) -> ExecRe
     return ExecResult(process.returncode, stdout, stderr, timed_out, time.perf_counter() - started)
 
 
+_CANCEL_LOCK = threading.Lock()
 BASE_ENV = {"HOME": "/home", "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
 
 
@@ -149,16 +151,34 @@ class LocalSandbox(TrialDirs):
             argv += ["--setenv", key, value]
         return argv + ["bash", "-c", f"{self.limits}; {command}"]
 
+    _running = None
+    _cancelled = False
+
     def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+        if self._cancelled:  # cancelled before its agent even started
+            return ExecResult(-signal.SIGKILL, "", "cancelled", False, 0.0)
         # At the timeout, killing the jail's process group takes its PID namespace and every process inside.
         return _run(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s,
-                    lambda process: os.killpg(process.pid, signal.SIGKILL),
-                    on_start=lambda process: setattr(self, "_running", process))
+                    lambda process: os.killpg(process.pid, signal.SIGKILL), on_start=self._started)
+
+    def _started(self, process) -> None:
+        with _CANCEL_LOCK:
+            self._running = process
+            cancelled = self._cancelled
+        if cancelled:  # a cancel() that came between the check above and the jail's start
+            self._kill(process)
 
     def cancel(self) -> None:
-        """Kill the exec in progress (its whole jail), from another thread."""
-        process = getattr(self, "_running", None)
-        if process is not None and process.poll() is None:
+        """Kill the exec in progress (its whole jail) and refuse later ones, from another thread."""
+        with _CANCEL_LOCK:
+            self._cancelled = True
+            process = self._running
+        if process is not None:
+            self._kill(process)
+
+    @staticmethod
+    def _kill(process) -> None:
+        if process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
