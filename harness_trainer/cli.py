@@ -146,14 +146,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainRunConfig field; unset flags stay absent so a --config file can fill them."""
-    from harness_trainer.train import FIELDS
+    from harness_trainer.train import FIELDS, NUMBER_TYPES
 
-    types = {"int": int, "float": float, "float | None": float}
     parser.add_argument("--config", default=None, help="YAML file whose keys are these options' names "
                         "(max_steps: 10); flags given here override it")
     for name, f in FIELDS.items():
         default = "" if f.default is None else f" (default: {f.default})"
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=types.get(str(f.type), str),
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=NUMBER_TYPES.get(str(f.type), str),
                             default=argparse.SUPPRESS, help=f.metadata["help"] + default)
 
 

@@ -66,6 +66,7 @@ class ConfigError(ValueError):
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainRunConfig)}
+NUMBER_TYPES = {"int": int, "float": float, "float | None": float}  # field type (a string here) -> converter
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -84,7 +85,7 @@ def load_config_file(path: str | Path) -> dict:
         raise ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}; the keys are the flag names: "
                           f"{', '.join(sorted(FIELDS))}")
     for name, value in normalised.items():  # YAML 1.1 reads 1e-3 as a string: coerce numbers by the field's type
-        kind = {"int": int, "float": float, "float | None": float}.get(str(FIELDS[name].type))
+        kind = NUMBER_TYPES.get(str(FIELDS[name].type))
         if kind and value is not None and not isinstance(value, bool):
             try:
                 normalised[name] = kind(value)
