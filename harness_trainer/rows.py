@@ -20,9 +20,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from openenv.core.harness.training import TrainingTrace
+
+if TYPE_CHECKING:  # only the type: rows needs torch alone (the GPU check runs where openenv is not installed)
+    from openenv.core.harness.training import TrainingTrace
 
 
 @dataclass
@@ -163,8 +166,9 @@ def tree_logprobs(model, tree: PackedTree, temperature: float = 1.0, entropy: bo
 
 def chain_logprobs(model, chain: Chain, temperature: float = 1.0) -> torch.Tensor:
     """The naive path: one causal row per chain (for tests and benchmarks)."""
-    ids = torch.tensor(chain.ids)[None]
+    device = next(model.parameters()).device
+    ids = torch.tensor(chain.ids, device=device)[None]
     logits = model(input_ids=ids).logits[0]
-    targets = torch.tensor([i for i, t in enumerate(chain.trained) if t], dtype=torch.long)
+    targets = torch.tensor([i for i, t in enumerate(chain.trained) if t], dtype=torch.long, device=device)
     logp = torch.log_softmax(logits[targets - 1].float() / temperature, dim=-1)
     return logp.gather(-1, ids[0, targets][:, None]).squeeze(-1)
