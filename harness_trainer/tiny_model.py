@@ -46,7 +46,9 @@ class TinyModelSpec:
     seed: int = 0
 
     def key(self) -> str:
-        payload = json.dumps({"builder": BUILDER_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        template = hashlib.sha256(CHAT_TEMPLATE.read_bytes()).hexdigest()  # a template edit is a new model too
+        payload = json.dumps({"builder": BUILDER_VERSION, "template": template, **dataclasses.asdict(self)},
+                             sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

@@ -3,7 +3,6 @@ tool markers stay plain tokens, the chat template renders tool conversations, bu
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from tokenizers import Tokenizer
@@ -60,13 +59,23 @@ def test_chat_template_renders_tool_conversation(tokenizer):
         {"role": "tool", "tool_call_id": "c2", "content": "/app"},
     ]
     text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    assert text.startswith("<|im_start|>system\nYou are an agent.\n\n# Tools")
-    assert json.dumps(TOOLS[0]) in text
+    assert text.startswith("<|im_start|>system\nYou are an agent.\n\n# Tools\nbash(command): run a command\n")
+    assert '"parameters"' not in text  # one line per tool, no schema
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "bash", "arguments": {"command": "pwd"}}\n</tool_call><|im_end|>') in text
     assert "<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\n/app\n</tool_response><|im_end|>" in text
     assert "<|im_start|>user\nlist files<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_lines_take_bare_and_wrapped_tools(tokenizer):
+    """OpenAI's {"type": "function", "function": {...}} and a bare {...} (as some clients send) render alike;
+    a multi-line description gives its first line, a tool without parameters empty brackets."""
+    tools = [{"name": "read", "description": "\nRead a file.\nLong details...",
+              "parameters": {"properties": {"path": {}, "offset": {}}}},
+             {"type": "function", "function": {"name": "noargs"}}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools, tokenize=False)
+    assert "# Tools\nread(path, offset): Read a file.\nnoargs()\nCall a tool as <tool_call>" in text
 
 
 def test_generation_prompt_is_prefix_of_rendered_answer(tokenizer):
