@@ -22,6 +22,24 @@ def test_oracle_solves_the_toy_and_bugfix_sets(engine, tmp_path):
         assert len(traces) == summary.rollouts and all(len(t.turns) == 2 for t in traces)
 
 
+def test_oracle_slips_on_every_task_at_the_same_rate(engine, tmp_path):
+    """Mistake rate 0.5, two attempts per task: every task is solved exactly once; the other attempt is the
+    plausible slip (redirection forgotten: `echo W F`), well formed and scored 0 by the task's own verifier."""
+    summary, records = evaluate(EvalConfig(dataset="builtin:toy-heldout", limit=3, n=2, vllm_url=engine.url,
+                                           policy="oracle", oracle_mistake_rate=0.5, concurrency=4,
+                                           output_dir=str(tmp_path)))
+    assert summary.rollouts == 6 and summary.wins == 3 and summary.invalid_tool_calls == 0
+    by_task: dict[str, list] = {}
+    for record in records:
+        by_task.setdefault(record.task, []).append(record)
+    for task, attempts in by_task.items():
+        assert sorted(r.outcome.env_reward for r in attempts) == [0.0, 1.0], task
+        failed = next(r for r in attempts if r.outcome.env_reward == 0.0)
+        first_call = next(m for m in failed.outcome.completion if m.get("tool_calls"))["tool_calls"][0]
+        command = json.loads(first_call["function"]["arguments"])["command"]
+        assert command.startswith("echo ") and ">" not in command, command
+
+
 @pytest.mark.slow
 def test_oracle_solves_the_toy_training_set(engine, tmp_path):
     summary, _ = evaluate(EvalConfig(dataset="builtin:toy-train", vllm_url=engine.url, policy="oracle",

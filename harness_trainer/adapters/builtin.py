@@ -20,8 +20,11 @@ from harness_trainer.tiny_model import cache_root
 # pairs never seen together in training (a Latin-square pattern: every word and every file appears in training
 # 6 times, and twice in held-out), so solving it means reading both from the instruction, not recalling a task.
 # A tiny random model cannot copy text it never produced, which is why held-out pairs reuse seen words/files.
-WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "ocean"]
-FILES = ["answer.txt", "notes.txt", "out.txt", "word.txt", "result.txt", "a.txt", "b.txt", "c.txt"]
+# Every word and every file stem is one token of the embedded tokenizer (with its leading space), so all
+# instructions have the same length and the model learns to copy two tokens rather than token runs of varying
+# length (with multi-token names, "cloud" = c+lo+u+d, it learned the word and guessed the file).
+WORDS = ["cookie", "month", "letter", "table", "pipe", "space", "zero", "week"]
+FILES = ["data.txt", "output.txt", "result.txt", "config.txt", "index.txt", "memo.txt", "info.txt", "record.txt"]
 PAIRS = [(w, f) for w in range(8) for f in range(8)]
 HELDOUT = [(w, (w + k) % 8) for w in range(8) for k in (0, 4)]
 TOY_TRAIN = [(WORDS[w], FILES[f]) for w, f in PAIRS if (w, f) not in HELDOUT]

@@ -11,7 +11,6 @@ gives it (teacher-forced), so traces validate and train like any other.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 import uuid
@@ -25,8 +24,12 @@ SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 
 def plausible_mistake(command: str) -> str:
-    """The same command with its first argument capitalised (`echo Apple > notes.txt`): well formed, close to
-    right, and wrong — what a sloppy solver does. Demonstrations with it leave something for RL to fix."""
+    """The same command with a slip: its output redirection forgotten (`echo cookie data.txt` prints instead
+    of writing the file), or, without one, its first argument capitalised. Well formed, close to right, and
+    wrong — what a sloppy solver does. Demonstrations with it leave something for RL to fix: one decision,
+    the same in every task, so what RL learns on training tasks carries over to held-out ones."""
+    if " > " in command:
+        return command.replace(" > ", " ", 1)
     program, _, rest = command.partition(" ")
     return f"{program} {rest[:1].upper()}{rest[1:]}" if rest else command
 
@@ -40,11 +43,12 @@ def solution_command(task: Task) -> str:
 class OracleUpstream:
     """Runs in a thread of the calling process (uvicorn); `url` is its base URL."""
 
-    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0,
-                 seed: int = 0):
+    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0):
         self.engine = engine_url.rstrip("/")
         self.model = model
-        self.mistake_rate, self.rng = mistake_rate, random.Random(seed)
+        self.mistake_rate = mistake_rate
+        self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
+        self._lock = threading.Lock()
         self.solutions = {t.instruction: solution_command(t) for t in tasks if t.solution}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -61,6 +65,17 @@ class OracleUpstream:
                 return command
         return None
 
+    def _slips(self, command: str) -> bool:
+        """Whether this attempt at the task is made with the slip. Per task, not at random: attempt k slips when
+        floor((k+1)·rate) > floor(k·rate), so every task is done wrong at the same rate, evenly spread (at 0.5:
+        every second attempt). Drawn at random, with a few attempts per task, some tasks would be always wrong
+        and others always right, and SFT learns exactly that: which tasks to get wrong — then RL's groups
+        on those tasks all score the same and teach nothing."""
+        with self._lock:
+            k = self._attempts.get(command, 0)
+            self._attempts[command] = k + 1
+        return int((k + 1) * self.mistake_rate) > int(k * self.mistake_rate)
+
     def answer(self, body: dict) -> dict:
         """The assistant message the oracle sends for this request."""
         messages, tools = body.get("messages") or [], body.get("tools") or []
@@ -75,7 +90,7 @@ class OracleUpstream:
         if command in ran or plausible_mistake(command) in ran:
             step = SUBMIT
         else:
-            step = plausible_mistake(command) if self.rng.random() < self.mistake_rate else command
+            step = plausible_mistake(command) if self._slips(command) else command
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
             "function": {"name": "bash", "arguments": json.dumps({"command": step})}}]}
