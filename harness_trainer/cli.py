@@ -4,6 +4,7 @@ and the proxy's light environment (no torch) can run the commands it needs."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 from pathlib import Path
@@ -129,6 +130,8 @@ def _train(args: argparse.Namespace) -> int:
     from harness_trainer.train import run_training
 
     cfg = train_config(args)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a run is stuck, without stopping it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     hf_logging.disable_progress_bar()  # one live display, not a bar per checkpoint
     progress = TrainProgress(cfg.max_steps)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -79,10 +79,12 @@ def test_ctrl_c_stops_everything(engine, tiny_model_dir, tmp_path):
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:  # say where it hangs before failing
+    except subprocess.TimeoutExpired:  # say where it hangs before failing: every thread's stack (SIGUSR1)
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
         os.kill(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
-        pytest.fail(f"no exit 120 s after Ctrl-C; its stderr ends:\n{err[-3000:]}")
+        pytest.fail(f"no exit 120 s after Ctrl-C; its stderr ends:\n{err[-12000:]}")
     assert proc.returncode == 130 and "--resume latest" in err
     time.sleep(0.5)
     assert _leftovers(str(tmp_path)) == []
