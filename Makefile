@@ -12,7 +12,7 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -m slow
 
-# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~26 min).
+# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~27 min).
 demo: setup
 	rm -rf runs/demo
 	$(PY) -m harness_trainer.proof --output-dir runs/demo

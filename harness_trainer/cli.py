@@ -4,9 +4,11 @@ and the proxy's light environment (no torch) can run the commands it needs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import signal
 import sys
+import threading
 from pathlib import Path
 
 
@@ -131,7 +133,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = train_config(args)
     # `kill -USR1 <pid>` prints every thread's stack to stderr: where a run is stuck, without stopping it
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # no real stderr (embedded, captured)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     hf_logging.disable_progress_bar()  # one live display, not a bar per checkpoint
     progress = TrainProgress(cfg.max_steps)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -344,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.train import ConfigError
     from harness_trainer.trainer import TrainingStopped
 
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C / SIGINT always interrupts cleanly: a shell starting us in the background from a script leaves
+        # SIGINT ignored, and Python keeps an ignored SIGINT ignored (a run then went on training after kill -INT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except (EngineError, FileExistsError, FileNotFoundError, TaskError, SandboxError, AdapterError, ProxyError,
