@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--agent-config", default=None,
                     help="mini-swe-agent: a YAML file layered over its default config, or 'compact' (short prompt)")
     ev.add_argument("--oracle-mistake-rate", type=float, default=0.0,
-                    help="with --policy oracle: share of solutions made plausibly wrong (first argument capitalised)")
+                    help="with --policy oracle: share of each task's attempts made with a plausible slip (redirection "
+                         "forgotten, else first argument capitalised), exact per task (default: 0)")
     ev.add_argument("--dataset", default="builtin:toy-heldout",
                     help="folder of Harbor tasks, builtin:toy|toy-train|toy-heldout|bugfix, hf:OWNER/NAME")
     ev.add_argument("--model", default=None, help="model folder to serve (default: the embedded tiny model)")

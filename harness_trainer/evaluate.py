@@ -40,7 +40,7 @@ class EvalConfig:
     output_dir: str = "runs/eval"
     agent_command: str | None = None
     agent_config: str | None = None  # mini-swe-agent: YAML layered over its default, or "compact"
-    oracle_mistake_rate: float = 0.0  # --policy oracle: share of solutions made plausibly wrong
+    oracle_mistake_rate: float = 0.0  # --policy oracle: share of each task's attempts made with a slip
 
 
 @dataclass
