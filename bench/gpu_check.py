@@ -84,10 +84,11 @@ def check(name: str, dtype: torch.dtype, device: torch.device, g: int, seed: int
     total = sum(sum(c.trained) for c in chains)
     cfg = LossConfig(mode="ppo")
     with torch.no_grad():  # behaviour logprobs near the policy's (ratios 0.7..1.4: both sides of the clip)
-        naive_logp = torch.cat([chain_logprobs(model, c) for c in chains if any(c.trained)]).float()
-        for chain in chains:
-            logp = iter(chain_logprobs(model, chain).float().tolist())
-            chain.behaviour = [next(logp) + rng.uniform(-0.3, 0.3) if t else 0.0 for t in chain.trained]
+        per_chain = [chain_logprobs(model, c).float() for c in chains]
+        naive_logp = torch.cat([lp for lp, c in zip(per_chain, chains) if any(c.trained)])
+        for chain, logp in zip(chains, per_chain):
+            values = iter(logp.tolist())
+            chain.behaviour = [next(values) + rng.uniform(-0.3, 0.3) if t else 0.0 for t in chain.trained]
 
     def naive():
         model.zero_grad()
@@ -127,10 +128,12 @@ def check(name: str, dtype: torch.dtype, device: torch.device, g: int, seed: int
     finite = all(bool(torch.isfinite(p).all()) for p in params)
     loss_after, _ = shared()
     max_logp_diff, max_loss_rel, min_cosine = TOLERANCE[dtype]
-    ok = logp_diff <= max_logp_diff and loss_rel <= max_loss_rel and cosine >= min_cosine and finite and loss_after != loss_t
+    ok = (logp_diff <= max_logp_diff and loss_rel <= max_loss_rel and cosine >= min_cosine and finite
+          and loss_after != loss_t)
     n_params = sum(p.numel() for p in params) / 1e6
     print(f"| {name} ({n_params:.0f}M) | {str(dtype).removeprefix('torch.')} | {total} | {len(tree)} / "
-          f"{tree.chain_tokens} = {len(tree) / tree.chain_tokens:.2f} | {logp_diff:.1e} | {loss_rel:.1e} | {cosine:.6f} | "
+          f"{tree.chain_tokens} = {len(tree) / tree.chain_tokens:.2f} | {logp_diff:.1e} | {loss_rel:.1e} | "
+          f"{cosine:.6f} | "
           f"{t_t * 1e3:.0f} / {t_n * 1e3:.0f} ms = {t_t / t_n:.2f} | {mem_t:.2f} / {mem_n:.2f} GiB | "
           f"{'ok' if ok else 'FAILED'} |", flush=True)
     return ok
@@ -145,7 +148,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| model | dtype | trained tokens | tokens fed tree / naive | max logprob diff | loss rel. diff | grad cosine | "
+    print("| model | dtype | trained tokens | tokens fed tree / naive | max logprob diff | loss rel. diff | "
+          "grad cosine | "
           "fwd+bwd time tree / naive | peak memory tree / naive | check |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     wanted = args.models.split(",")
