@@ -87,6 +87,8 @@ class TrainProgress:
         self.max_steps, self.step, self.version, self.tokens, self.launched = max_steps, 0, 0, 0, 0
         self.done: dict[str, int] = {}
         self.reward = self.sync_s = None
+        self.stability: dict = {}
+        self.warning: str | None = None
 
     def on_launch(self, count: int) -> None:
         self.launched += count
@@ -100,6 +102,10 @@ class TrainProgress:
         self.tokens += metrics.get("trained_tokens", 0)
         self.reward = metrics.get("reward_mean", self.reward)
         self.sync_s = metrics.get("weight_sync_time_s", self.sync_s)
+        if "entropy" in metrics:
+            self.stability = metrics
+        if metrics.get("warnings"):
+            self.warning = f"step {self.step}: " + "; ".join(metrics["warnings"])
 
     def __rich__(self):
         from rich.table import Table
@@ -114,6 +120,12 @@ class TrainProgress:
                            ("reward (last step)", reward), ("tokens trained", self.tokens),
                            ("policy version", self.version), ("last weight sync", sync)):
             table.add_row(f"[bold]{key}[/]", str(value))
+        if m := self.stability:
+            table.add_row("[bold]stability[/]", f"entropy {m['entropy']:.3f}   KL to behaviour "
+                          f"{m['behaviour_kl_k3']:.4f}   trust-region cut {m['behaviour_clip_frac']:.1%}   "
+                          f"answer {m.get('completion_tokens_mean') or 0:.0f} tokens")
+        if self.warning:
+            table.add_row("[bold yellow]warning[/]", f"[yellow]{self.warning}[/]")
         return table
 
 

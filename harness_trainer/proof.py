@@ -31,6 +31,8 @@ from harness_trainer.evaluate import EvalConfig, EvalSummary, evaluate
 from harness_trainer.weight_sync import reload_weights
 
 TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent on the slip, not on noise
+# The GRPO stage's recipe (run_training's fields): see README "Results" for how each value was chosen.
+GRPO = dict(num_generations=8, max_concurrent_rollouts=16, learning_rate=3e-4, save_best=True)
 EVAL = dict(harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-heldout", step_limit=3,
             max_tokens=64, temperature=TEMPERATURE, concurrency=4)
 
@@ -51,18 +53,18 @@ def table(rows: list[tuple[str, EvalSummary]]) -> str:
     return "\n".join(lines)
 
 
-def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float) -> list:
+def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float) -> tuple[Path, list, dict]:
+    """(a)-(d): the base model's eval, solver traces, SFT on them, the SFT model's eval."""
     from harness_trainer.sft import SFTRunConfig, run_sft
     from harness_trainer.tiny_model import ensure_tiny_model
-    from harness_trainer.train import TrainRunConfig, run_training
 
     base = ensure_tiny_model()
     timings, rows = {}, []
-    started = time.monotonic()
+    t = time.monotonic()
     print("(a) base model on the held-out tasks", flush=True)
     reload_weights(engine_url, base, version=0)
     rows.append(("base (random tiny model)", _eval("base", engine_url, out, n)))
-    timings["a_eval_base_s"] = time.monotonic() - started
+    timings["a_eval_base_s"] = time.monotonic() - t
 
     print("(b) solver traces on the training tasks (two attempts each, one with a slip)", flush=True)
     t = time.monotonic()
@@ -77,38 +79,64 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
                                num_train_epochs=sft_epochs, learning_rate=1e-3, per_device_train_batch_size=8,
                                lr_scheduler_type="constant_with_warmup"))
     timings["c_sft_s"] = time.monotonic() - t
+    return Path(sft), rows, timings
 
-    print("(d) SFT model on the held-out tasks", flush=True)
-    t = time.monotonic()
-    reload_weights(engine_url, sft, version=0)
-    rows.append(("SFT", _eval("sft", engine_url, out, n)))
-    timings["d_eval_sft_s"] = time.monotonic() - t
 
-    print(f"(e) GRPO from the SFT model, {grpo_steps} steps", flush=True)
+def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, grpo_steps: int,
+               seed: int) -> tuple[EvalSummary, dict]:
+    """(e)-(f): GRPO from the SFT model with run_training, then the eval of its final model."""
+    from harness_trainer.train import TrainRunConfig, run_training
+
     t = time.monotonic()
-    # lr 3e-4: Adam's steps move every weight by ~lr whatever its gradient, and GRPO's gradients are noisy; at
-    # 1e-3 the tiny model lost its tool-call format and its copying within ten steps, at 1e-4 16 steps barely
-    # moved the slip.
+    print(f"(e) GRPO from the SFT model, {grpo_steps} steps, seed {seed}", flush=True)
     summary = run_training(TrainRunConfig(
         harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-train", model=str(sft),
-        vllm_url=engine_url, num_generations=8, max_concurrent_rollouts=16, max_steps=grpo_steps,
-        learning_rate=3e-4, temperature=TEMPERATURE, max_completion_tokens=64, agent_step_limit=3,
-        save_steps=grpo_steps,
-        output_dir=str(out / "grpo"), report_to="none"))
-    timings["e_grpo_s"] = time.monotonic() - t
-
+        vllm_url=engine_url, max_steps=grpo_steps, temperature=TEMPERATURE, max_completion_tokens=64,
+        agent_step_limit=3, save_steps=grpo_steps, seed=seed, output_dir=str(out), report_to="none",
+        **GRPO))
+    grpo_s = time.monotonic() - t
     print("(f) SFT+GRPO model on the held-out tasks", flush=True)
     t = time.monotonic()
     reload_weights(engine_url, summary["final_model"], version=0)
-    rows.append(("SFT + GRPO", _eval("grpo", engine_url, out, n)))
-    timings["f_eval_grpo_s"] = time.monotonic() - t
-    timings["total_s"] = time.monotonic() - started
+    result = _eval("grpo", engine_url, eval_root, n)
+    return result, {"grpo": summary, "e_grpo_s": grpo_s, "f_eval_grpo_s": time.monotonic() - t}
 
+
+def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float,
+              sft_model: Path | None = None, seeds: tuple[int, ...] = (0,)) -> list:
+    """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model."""
+    started = time.monotonic()
+    rows, timings = [], {}
+    if sft_model is None:
+        sft_model, rows, timings = sft_stage(out, engine_url, n, sft_epochs)
+    print("(d) SFT model on the held-out tasks", flush=True)
+    t = time.monotonic()
+    reload_weights(engine_url, sft_model, version=0)
+    rows.append(("SFT", _eval("sft", engine_url, out, n)))
+    timings["d_eval_sft_s"] = time.monotonic() - t
+    runs = {}
+    for seed in seeds:
+        # one seed: grpo/ and eval-grpo/ as before; several: grpo-seedN/ holding its own eval-grpo/
+        where, eval_root = (out / "grpo", out) if len(seeds) == 1 else (out / f"grpo-seed{seed}",) * 2
+        result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, grpo_steps, seed)
+        rows.append(("SFT + GRPO" if len(seeds) == 1 else f"SFT + GRPO, seed {seed}", result))
+        runs[seed] = info
+    timings["total_s"] = time.monotonic() - started
     result = {"table": {name: asdict(s) for name, s in rows}, "timings_s": {k: round(v, 1) for k, v in timings.items()},
-              "solver": asdict(demos), "grpo": summary, "eval_rollouts_per_task": n}
+              "sft_model": str(sft_model), "grpo": runs, "grpo_config": GRPO, "eval_rollouts_per_task": n}
     (out / "proof.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "proof.md").write_text(table(rows) + "\n")
+    (out / "proof.md").write_text(table(rows) + "\n" + spread(rows) + "\n")
     return rows
+
+
+def spread(rows: list[tuple[str, EvalSummary]]) -> str:
+    """Mean and range of the GRPO rows' gain over SFT, in points of held-out win rate."""
+    sft = next(s for name, s in rows if name == "SFT")
+    gains = [100 * (s.wins / s.rollouts - sft.wins / sft.rollouts) for name, s in rows if name.startswith("SFT +")]
+    if not gains:
+        return ""
+    return (f"\nGRPO over SFT: mean {sum(gains) / len(gains):+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f} "
+            f"({len(gains)} run{'s' if len(gains) > 1 else ''})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
     parser.add_argument("--sft-epochs", type=float, default=60,
                         help="SFT epochs over the solver traces (default: 60, 720 steps of 8)")
+    parser.add_argument("--sft-model", default=None,
+                        help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
+                             "and the GRPO stage")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="run the GRPO stage once per seed, from the same SFT model (default: 0)")
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
+    sft_model = Path(args.sft_model) if args.sft_model else None
+    if sft_model and not (sft_model / "config.json").exists():
+        print(f"proof: --sft-model {sft_model} is not a model folder (no config.json); give the sft/ folder of "
+              "an earlier run", file=sys.stderr)
+        return 1
     if out.exists() and any(out.iterdir()):
         print(f"proof: {out} is not empty; remove it or pass --output-dir NEW", file=sys.stderr)
         return 1
@@ -130,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.tiny_model import ensure_tiny_model
 
     if args.vllm_url:
-        rows = run_proof(out, args.vllm_url, args.n, args.grpo_steps, args.sft_epochs)
+        rows = run_proof(out, args.vllm_url, args.n, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds))
     else:
         with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), log_path=out / "vllm.log")) as engine:
-            rows = run_proof(out, engine.url, args.n, args.grpo_steps, args.sft_epochs)
+            rows = run_proof(out, engine.url, args.n, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds))
     print("\nThe embedded default, held-out toy tasks (pairs of word and file never seen together in training):")
     print(table(rows))
+    print(spread(rows))
     print(f"\nreward curve: {out / 'grpo' / 'reward_curve.png'}; everything else in {out}")
     return 0
 

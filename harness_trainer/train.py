@@ -46,6 +46,14 @@ class TrainRunConfig:
     learning_rate: float = _opt(1e-5, "AdamW learning rate")
     temperature: float = _opt(1.0, "sampling temperature, also used in the loss")
     max_staleness: int = _opt(2, "policy versions a rollout may lag the trainer")
+    groups_per_step: int = _opt(1, "finished groups (tasks) per optimizer step, each with its own advantages")
+    warmup_ratio: float = _opt(0.0, "share of --max-steps over which the learning rate rises from 0")
+    lr_scheduler_type: str = _opt("constant", "learning-rate schedule: constant, constant_with_warmup, linear, "
+                                              "cosine, ... (transformers' names)")
+    behaviour_clip: bool = _opt(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
+                                      "to the policy that sampled it is past the clip range")
+    save_best: bool = _opt(False, "keep best/ beside final/: the model after the step with the best training "
+                                  "reward (mean over 4 steps)")
     max_completion_tokens: int = _opt(256, "cap on tokens per model call")
     agent_timeout: float | None = _opt(None, "seconds per rollout (default: the task's)")
     agent_step_limit: int = _opt(6, "agent steps per rollout")
@@ -66,7 +74,19 @@ class ConfigError(ValueError):
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainRunConfig)}
-NUMBER_TYPES = {"int": int, "float": float, "float | None": float}  # field type (a string here) -> converter
+def parse_bool(text) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+# field type (a string here) -> converter, for flags and config-file values
+NUMBER_TYPES = {"int": int, "float": float, "float | None": float, "bool": parse_bool}
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -90,7 +110,7 @@ def load_config_file(path: str | Path) -> dict:
             try:
                 normalised[name] = kind(value)
             except (TypeError, ValueError):
-                raise ConfigError(f"--config {path}: {name} must be a number, got {value!r}") from None
+                raise ConfigError(f"--config {path}: {name} must be a {FIELDS[name].type}, got {value!r}") from None
     return normalised
 
 
@@ -99,7 +119,18 @@ def resolve_config(file_values: dict, flag_values: dict) -> TrainRunConfig:
     cfg = TrainRunConfig(**(file_values | flag_values))
     if cfg.report_to not in ("trackio", "wandb", "none"):
         raise ConfigError(f"--report-to {cfg.report_to}: choose trackio, wandb or none")
-    for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps"):
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio!r}")
+    from transformers import SchedulerType
+
+    schedules = [t.value for t in SchedulerType]
+    if cfg.lr_scheduler_type not in schedules:
+        raise ConfigError(f"--lr-scheduler-type {cfg.lr_scheduler_type}: choose one of {', '.join(schedules)}")
+    if cfg.lr_scheduler_type == "constant" and cfg.warmup_ratio:
+        raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
+                          "constant_with_warmup (or linear, cosine)")
+    for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
+                 "groups_per_step"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
     return cfg
@@ -237,7 +268,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_staleness=cfg.max_staleness,
             max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, temperature=cfg.temperature,
             max_completion_tokens=cfg.max_completion_tokens, weight_sync_steps=cfg.weight_sync_steps,
-            save_steps=cfg.save_steps, seed=cfg.seed, resume_from_checkpoint=resume)
+            save_steps=cfg.save_steps, seed=cfg.seed, resume_from_checkpoint=resume,
+            groups_per_step=cfg.groups_per_step, warmup_ratio=cfg.warmup_ratio,
+            lr_scheduler_type=cfg.lr_scheduler_type, behaviour_clip=cfg.behaviour_clip, save_best=cfg.save_best)
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), factory, args, tasks, rollout_reward_fn=reward_fn,
                                           callbacks=[*(callbacks or []), reporter])
         reporter.start()
@@ -253,7 +286,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     summary = {"steps": len(history), "policy_version": trainer.version, "final_model": str(final),
                "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
                "trained_tokens": sum(h.get("trained_tokens", 0) for h in history),
-               "dropped_stale_groups": sum(bool(h.get("dropped_stale")) for h in history),
+               "dropped_stale_groups": sum(int(h.get("dropped_stale", 0)) for h in history),
+               "warnings": [f"step {h['step']}: {w}" for h in history for w in h.get("warnings", [])],
+               "best_model": str(out / "best") if (out / "best").exists() else None,
                "wall_time_s": round(time.time() - started, 1), "traces": str(out / "traces.jsonl"),
                "reward_curve": str(out / "reward_curve.png")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -2,12 +2,18 @@
 
     for each step:
         fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task)
-        take the oldest finished group; drop it if its turns are more than max_staleness versions old
-        (groups still running that can no longer finish in time are cancelled after each sync)
-        rewards -> group advantages -> chains -> prefix-tree packing -> loss -> optimizer step
+        take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
+        versions old (groups still running that can no longer finish in time are cancelled after each sync)
+        rewards -> advantages per group -> chains -> prefix-tree packing -> loss -> one optimizer step
+        (learning rate from the schedule: warmup_ratio, lr_scheduler_type, as in TRL)
+        trust region: stale tokens past the clip range of their ratio to the behaviour policy get no gradient;
+                      a step whose KL on its own batch exceeds max_step_kl is halved until it does not
+        stability: ratios, trust-region cuts, IS weights, entropy, KL to the behaviour policy, answer length;
+                   a warning when entropy or KL jumps or every rollout of the step scored zero
         every weight_sync_steps: weights -> the same vLLM (reload), version += 1 in vLLM and the proxy,
                                  probe: vLLM's teacher-forced logprobs must equal the trainer's
         every save_steps: checkpoint (model, optimizer, step, version, RNG, dataset position)
+        save_best: best/ holds the model after the step with the best training reward (mean of best_window steps)
 
 Staleness is read from the policy version the proxy stamped on each captured turn, not from dispatch time.
 A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -43,6 +50,7 @@ from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
 from harness_trainer.rewards import resolve_reward_fn, score
 from harness_trainer.rows import chains_from_trace, pack, tree_logprobs
+from harness_trainer.stability import StabilityMonitor
 from harness_trainer.traces import TrainingTrace
 from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights
 
@@ -74,6 +82,13 @@ class AsyncGRPOConfig:
     is_mode: str = "tis"
     is_bound: float = 2.0
     kl_beta: float = 0.0
+    behaviour_clip: bool = True  # decoupled: no gradient past the clip range of the ratio to the behaviour policy
+    max_step_kl: float | None = 0.01  # trust region for fresh data: halve a step whose KL on its batch is larger
+    groups_per_step: int = 1  # finished groups (tasks) per optimizer step, each with its own advantages
+    warmup_ratio: float = 0.0  # share of max_steps over which the learning rate rises from 0 (TRL's name)
+    lr_scheduler_type: str = "constant"  # transformers' names: constant, constant_with_warmup, linear, cosine, ...
+    save_best: bool = False  # keep best/ next to final/: the model after the best step by training reward
+    best_window: int = 4  # steps averaged for save_best (one group's reward is too noisy to rank by)
     scale_rewards: bool = False
     seed: int = 0
     shuffle_dataset: bool = True
@@ -120,8 +135,11 @@ class HarnessAsyncGRPOTrainer:
             raise ValueError("train_dataset is empty: give at least one task")
         self.reward_fn = resolve_reward_fn(rollout_reward_fn)
         self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
-                                   args.kl_beta)
+                                   args.kl_beta, args.behaviour_clip)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate)
+        self.lr_at = _schedule(self.optimizer, args)
+        self.monitor = StabilityMonitor()
+        self.best_reward: float | None = None
         self.step, self.version, self.task_cursor = 0, 0, 0
         self.out = Path(args.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -188,22 +206,32 @@ class HarnessAsyncGRPOTrainer:
 
     # ---- one optimisation step ---------------------------------------------------------------------------
 
-    def _train_on(self, records: list[RolloutRecord]) -> dict:
-        rewards = [score(self.reward_fn, r.outcome) if r.status != "unscorable" else None for r in records]
-        group = group_advantages(rewards, scale_std=self.args.scale_rewards)
-        verifier = [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
-        metrics = {"reward_mean": _mean([r for r in rewards if r is not None]), "zero_variance": group.zero_variance,
-                   "verifier_reward_mean": _mean(verifier),
-                   "scorable": group.scorable, "rollouts": len(records),
-                   "failed": sum(r.status == "unscorable" for r in records)}
+    def _train_on(self, groups: list[list[RolloutRecord]]) -> dict:
+        """One optimizer step on finished groups, each with its own advantages; the loss is the token mean over
+        every trained token of the step."""
         seen: set = set()
-        chains, advantages = [], []
-        for record, adv in zip(records, group.advantages):
-            if adv is None or not record.training_trace or group.zero_variance:
-                continue
-            trace = TrainingTrace.model_validate(record.training_trace)
-            chains += chains_from_trace(trace, len(advantages), seen)
-            advantages.append(adv)
+        chains, advantages, rewards_all, verifier, zero_groups, lengths = [], [], [], [], 0, []
+        metrics = {"groups": len(groups), "rollouts": sum(map(len, groups)),
+                   "failed": sum(r.status == "unscorable" for g in groups for r in g)}
+        for records in groups:
+            rewards = [score(self.reward_fn, r.outcome) if r.status != "unscorable" else None for r in records]
+            group = group_advantages(rewards, scale_std=self.args.scale_rewards)
+            rewards_all += [r for r in rewards if r is not None]
+            verifier += [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
+            zero_groups += group.zero_variance
+            for record, adv in zip(records, group.advantages):
+                if not record.training_trace:
+                    continue
+                trace = TrainingTrace.model_validate(record.training_trace)
+                lengths.append(sum(sum(t.loss_mask[len(t.prompt_token_ids):]) for t in trace.turns))
+                if adv is None or group.zero_variance:
+                    continue
+                chains += chains_from_trace(trace, len(advantages), seen)
+                advantages.append(adv)
+        metrics |= {"reward_mean": _mean(rewards_all), "reward_max": max(rewards_all, default=None),
+                    "verifier_reward_mean": _mean(verifier), "scorable": len(rewards_all),
+                    "zero_variance": zero_groups == len(groups), "zero_variance_groups": zero_groups,
+                    "completion_tokens_mean": _mean(lengths), "lr": self.lr_at(self.step)}
         total = sum(sum(c.trained) for c in chains)  # the global batch's trained tokens, on every rank
         if total == 0:
             return metrics | {"trained_tokens": 0}
@@ -211,8 +239,9 @@ class HarnessAsyncGRPOTrainer:
         chains = [c for c in chains if c.rollout % self.world_size == self.rank]
         self.model.train()
         self.optimizer.zero_grad()
-        loss, stats = torch.zeros((), device=self.device), {}
-        if chains and (tree := pack(chains)).trained.any():
+        loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
+        if chains and (packed := pack(chains)).trained.any():
+            tree = packed
             adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
             behaviour = tree.behaviour[tree.trained].to(self.device)
             proximal = reference = None
@@ -225,13 +254,48 @@ class HarnessAsyncGRPOTrainer:
             loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=proximal,
                                       reference=reference)
             loss.backward()
-            stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean())}
+            stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
+                      "entropy_max": float(entropy.max())}
         if self.world_size > 1:
             loss = self._all_reduce_gradients(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = metrics["lr"]
+        before = [p.detach().clone() for p in self.model.parameters()] if self.args.max_step_kl else None
         self.optimizer.step()
+        if before is not None:
+            stats |= self._bound_step(before, tree, None if logp is None else logp.detach())
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total}
+
+    def _step_kl(self, tree, old: torch.Tensor | None) -> float:
+        """KL(policy before the step || after it) on the step's own trained tokens, k3, over every rank."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if tree is not None:
+            with torch.no_grad():
+                diff = tree_logprobs(self.model, tree, self.args.temperature) - old
+                total += torch.stack([(torch.exp(diff) - 1 - diff).sum().double(),
+                                      torch.tensor(float(diff.numel()), dtype=torch.float64, device=self.device)])
+        if self.world_size > 1:
+            dist.all_reduce(total)
+        return float(total[0] / total[1].clamp(min=1))
+
+    def _bound_step(self, before: list[torch.Tensor], tree, old) -> dict:
+        """The trust region for fresh data. With one update per batch no ratio clip can bind (the ratio is 1
+        where the gradient is taken), so the step itself is bounded: while the batch's KL from the policy
+        before the step exceeds max_step_kl, the step is halved (theta = theta_old + s * delta, s = 1, 1/2, ...
+        at most 1/64). Adam's moments keep the full step's update; only the move is shortened."""
+        params = list(self.model.parameters())
+        delta = [p.detach() - b for p, b in zip(params, before)]
+        scale, kl = 1.0, self._step_kl(tree, old)
+        first = kl
+        while kl > self.args.max_step_kl and scale > 1 / 64:
+            scale /= 2
+            with torch.no_grad():
+                for p, b, d in zip(params, before, delta):
+                    p.copy_(b + scale * d)
+            kl = self._step_kl(tree, old)
+        return {"step_kl": kl, "step_kl_unbounded": first, "step_scale": scale}
 
     def _all_reduce_gradients(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum gradients (and the loss, for logging) over ranks; a rank with no tokens adds zeros."""
@@ -299,13 +363,34 @@ class HarnessAsyncGRPOTrainer:
         torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                     "rng": self.rng.getstate()}, tmp / "trainer_state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": self.step, "version": self.version, "task_cursor": self.task_cursor}))
+            {"step": self.step, "version": self.version, "task_cursor": self.task_cursor,
+             "best_reward": self.best_reward}))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # a crash mid-save leaves the previous checkpoint whole
         checkpoints = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
         for old in checkpoints[:-self.args.save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
         return path
+
+    def _keep_if_best(self) -> bool:
+        """best/: the model after the step whose training reward, averaged over the last best_window trained
+        steps, is the highest so far (ties keep the earlier one). Written beside, then renamed over, the old."""
+        rewards = [h["reward_mean"] for h in self.history if h.get("reward_mean") is not None]
+        if not rewards:
+            return False
+        recent = rewards[-self.args.best_window:]
+        value = sum(recent) / len(recent)
+        if self.best_reward is not None and value <= self.best_reward:
+            return False
+        self.best_reward = value
+        tmp, best = self.out / ".best.tmp", self.out / "best"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.save_model(tmp)
+        (tmp / "best.json").write_text(json.dumps({"step": self.step, "reward_window_mean": value,
+                                                   "window": len(recent)}))
+        shutil.rmtree(best, ignore_errors=True)
+        tmp.rename(best)
+        return True
 
     def _load(self, path: Path) -> None:
         from transformers import AutoModelForCausalLM
@@ -322,6 +407,10 @@ class HarnessAsyncGRPOTrainer:
         torch.set_rng_state(blob["torch_rng"])
         self.rng.setstate(blob["rng"])
         self.step, self.version, self.task_cursor = state["step"], state["version"], state["task_cursor"]
+        self.best_reward = state.get("best_reward")
+        metrics = path.parent / "metrics.jsonl"  # the best_window of steps before the checkpoint
+        if metrics.exists():
+            self.history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] <= self.step]
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -336,47 +425,60 @@ class HarnessAsyncGRPOTrainer:
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
-        while (records := _broadcast(None)) is not None:
-            self._train_on(records)
+        while (groups := _broadcast(None)) is not None:
+            self._train_on(groups)
             self.step += 1
         return self.history
 
     def _lead(self) -> list[dict]:
         args = self.args
-        groups_in_flight = max(1, args.max_concurrent_rollouts // args.num_generations)
+        groups_in_flight = max(args.groups_per_step, args.max_concurrent_rollouts // args.num_generations)
         if args.vllm_server_base_url:
             # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
             # resume it may still hold weights of a step that was never checkpointed).
             self.sync_weights()
         pending: deque[tuple[Task, list[Future], list, int]] = deque()
-        with ThreadPoolExecutor(max(args.max_concurrent_rollouts, args.num_generations)) as pool:
+        with ThreadPoolExecutor(max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)) as pool:
             try:
                 while self.step < args.max_steps:
-                    while len(pending) < groups_in_flight:
-                        task, futures, sessions = self._launch_group(pool)
-                        pending.append((task, futures, sessions, self.version))
-                    task, futures, _, launched = pending[0]
-                    records = self._collect(futures)  # an interrupt here still finds the group in `pending`
-                    pending.popleft()
-                    versions = [v for r in records for v in r.policy_versions]
-                    staleness = self.version - min(versions) if versions else self.version - launched
+                    groups, tasks, metrics = [], [], {"dropped_stale": 0, "cancelled": 0, "staleness": 0}
+                    for _ in range(args.groups_per_step):
+                        while len(pending) < groups_in_flight:
+                            task, futures, sessions = self._launch_group(pool)
+                            pending.append((task, futures, sessions, self.version))
+                        task, futures, _, launched = pending[0]
+                        records = self._collect(futures)  # an interrupt here still finds the group in `pending`
+                        pending.popleft()
+                        versions = [v for r in records for v in r.policy_versions]
+                        staleness = self.version - min(versions) if versions else self.version - launched
+                        metrics["staleness"] = max(metrics["staleness"], staleness)
+                        cancelled = sum(r.status == "cancelled" for r in records)
+                        if staleness > args.max_staleness or cancelled:
+                            metrics["dropped_stale"] += 1
+                            metrics["cancelled"] += cancelled
+                        else:
+                            groups.append(records)
+                            tasks.append(task.name)
                     started = time.perf_counter()
-                    if staleness > args.max_staleness or any(r.status == "cancelled" for r in records):
-                        metrics = {"dropped_stale": True, "staleness": staleness,
-                                   "cancelled": sum(r.status == "cancelled" for r in records)}
-                    else:
+                    if groups:
                         if self.world_size > 1:
-                            _broadcast(records)
-                        metrics = self._train_on(records) | {"staleness": staleness}
+                            _broadcast(groups)
+                        metrics |= self._train_on(groups)
                     metrics["train_time_s"] = time.perf_counter() - started
                     self.step += 1
                     if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
                         metrics["weight_sync_time_s"] = self.sync_weights()
                         metrics["cancelled_in_flight"] = self._cancel_stale(pending)
-                    metrics.update(step=self.step, version=self.version, task=task.name)
+                    metrics.update(step=self.step, version=self.version, task=",".join(tasks))
+                    if warnings := self.monitor.check(metrics):
+                        metrics["warnings"] = warnings
+                        for warning in warnings:
+                            log.warning("step %d: %s", self.step, warning)
                     if self.step % args.save_steps == 0 or self.step == args.max_steps:
                         self._save()  # before the metrics line: a logged step is a saved step
                     self.history.append(metrics)
+                    if args.save_best and self._keep_if_best():
+                        metrics["best"] = True
                     with (self.out / "metrics.jsonl").open("a") as f:
                         f.write(json.dumps(metrics) + "\n")
                     self._notify("on_step", metrics)
@@ -408,6 +510,23 @@ class _Sessions(list):
                 session.cancel()
                 count += 1
         return count
+
+
+def _schedule(optimizer, args: AsyncGRPOConfig):
+    """step -> learning rate, from transformers' schedulers (the names TRL's configs take)."""
+    from transformers import get_scheduler
+
+    warmup = math.ceil(args.warmup_ratio * args.max_steps)
+    try:
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=args.max_steps)
+    except ValueError as exc:
+        raise ValueError(f"lr_scheduler_type '{args.lr_scheduler_type}': {exc}") from None
+    if args.lr_scheduler_type == "constant" and warmup:
+        raise ValueError("warmup_ratio needs a schedule with a warm-up: use lr_scheduler_type "
+                         "'constant_with_warmup' (or linear, cosine, ...) instead of 'constant'")
+    factor = scheduler.lr_lambdas[0]
+    return lambda step: args.learning_rate * factor(step)
 
 
 def _init_distributed() -> tuple[int, int]:

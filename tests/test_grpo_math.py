@@ -39,12 +39,42 @@ def test_decoupled_loss_by_hand(is_mode, expected_weight):
     proximal = torch.tensor([math.log(0.3), math.log(0.25)])
     behaviour = torch.tensor([math.log(0.1), math.log(0.25)])  # token 1 is stale: w = 3 > bound 2
     adv = torch.tensor([1.0, 1.0])
-    loss, stats = policy_loss(logp, behaviour, adv, LossConfig(is_mode=is_mode, is_bound=2.0), total_tokens=2,
-                              proximal=proximal)
+    loss, stats = policy_loss(logp, behaviour, adv, LossConfig(is_mode=is_mode, is_bound=2.0, behaviour_clip=False),
+                              total_tokens=2, proximal=proximal)
     # token 1: ratio 1, weight 3 -> truncated 2 (tis) or masked 0 (mis); token 2: ratio 0.8, weight 1
     assert float(loss) == pytest.approx(-(expected_weight * 1.0 + 1.0 * 0.8) / 2)
     with pytest.raises(ValueError, match="proximal"):
         policy_loss(logp, behaviour, adv, LossConfig(), total_tokens=2)
+
+
+def test_trust_region_binds_on_a_stale_batch_by_hand():
+    """One update per batch: the proximal policy is the current one, so only the behaviour clip can bind."""
+    behaviour = torch.log(torch.tensor([0.1, 0.5, 0.5, 0.5]))
+    current = torch.log(torch.tensor([0.3, 0.25, 0.55, 0.25]))  # ratios to behaviour: 3, 0.5, 1.1, 0.5
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    grads = {}
+    for clip in (True, False):
+        logp = current.clone().requires_grad_()
+        loss, stats = policy_loss(logp, behaviour, adv, LossConfig(behaviour_clip=clip), total_tokens=4,
+                                  proximal=current.clone())
+        loss.backward()
+        grads[clip] = logp.grad
+        if clip:
+            # token 1 (ratio 3, A > 0) and token 2 (ratio 0.5, A < 0) have left the trust region: no gradient.
+            # tokens 3 and 4 keep theirs: ratio 1 to the proximal policy, weight w = min(ratio to behaviour, 2)
+            assert float(loss.detach()) == pytest.approx(-(1.1 * 1.0 + 0.5 * 1.0) / 4)
+            assert stats["behaviour_clip_frac"] == 0.5 and stats["is_truncated_frac"] == 0.25
+            assert stats["behaviour_ratio_max"] == pytest.approx(3.0) and stats["behaviour_ratio_min"] == pytest.approx(0.5)
+    assert grads[True].tolist() == pytest.approx([0.0, 0.0, -1.1 / 4, -0.5 / 4])
+    assert grads[False].tolist() == pytest.approx([-2.0 / 4, 0.5 / 4, -1.1 / 4, -0.5 / 4])  # without: pushed on
+
+
+def test_kl_to_behaviour_statistics_by_hand():
+    logp, behaviour = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.25, 0.2]))
+    _, stats = policy_loss(logp, behaviour, torch.ones(2), LossConfig(mode="ppo"), total_tokens=2)
+    # k1 = mean(b - p); k3 = mean(r - 1 - log r) with r = exp(p - b): token 1 r = 2, token 2 r = 1
+    assert stats["behaviour_kl"] == pytest.approx(math.log(0.5) / 2)
+    assert stats["behaviour_kl_k3"] == pytest.approx((1 - math.log(2)) / 2)
 
 
 def turn(node, prompt, completion, mask=None, version=0):

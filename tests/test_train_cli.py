@@ -99,6 +99,11 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
     cfg = train_config(args)
     assert (cfg.max_steps, cfg.learning_rate, cfg.harness, cfg.num_generations) == (7, 1e-3, "mini-swe-agent", 5)
     assert cfg.temperature == 1.0 and cfg.output_dir == "runs/train"  # untouched defaults
+    config.write_text("warmup_ratio: 0.1\nlr_scheduler_type: cosine\nsave_best: yes\n")
+    cfg = train_config(build_parser().parse_args(["train", "--config", str(config), "--groups-per-step", "2",
+                                                  "--behaviour-clip", "false"]))
+    assert (cfg.warmup_ratio, cfg.lr_scheduler_type, cfg.save_best, cfg.groups_per_step, cfg.behaviour_clip) == \
+        (0.1, "cosine", True, 2, False)
     config.write_text("max_step: 7\n")
     with pytest.raises(ConfigError, match="unknown option.*max_step.*max_steps"):
         train_config(build_parser().parse_args(["train", "--config", str(config)]))
@@ -122,6 +127,9 @@ def _occupied_port():
     (["--sandbox", "e2b"], "needs E2B_API_KEY"),
     (["--reward", "no_such_module:fn"], "cannot import fn from no_such_module"),
     (["--report-to", "tensorboard"], "choose trackio, wandb or none"),
+    (["--lr-scheduler-type", "wavy"], "--lr-scheduler-type wavy: choose one of linear, cosine"),
+    (["--warmup-ratio", "0.1"], "--warmup-ratio needs a schedule with a warm-up"),
+    (["--groups-per-step", "0"], "--groups-per-step must be a positive integer"),
 ])
 def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("E2B_API_KEY", raising=False)
@@ -134,6 +142,22 @@ def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
     assert err.startswith("harness-train: ") and says in err, err
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert not (tmp_path / "run").exists()
+
+
+def test_live_display_shows_stability_and_warnings():
+    from rich.console import Console
+
+    from harness_trainer.cli import TrainProgress
+
+    progress = TrainProgress(16)
+    progress.on_step({"step": 9, "version": 10, "trained_tokens": 622, "reward_mean": 0.375, "entropy": 0.24,
+                      "behaviour_kl_k3": 0.0123, "behaviour_clip_frac": 0.05, "completion_tokens_mean": 41.5,
+                      "warnings": ["entropy jumped to 0.24 (median of the last 5 steps: 0.012)"]})
+    console = Console(width=200, record=True)
+    console.print(progress)
+    screen = console.export_text()
+    assert "entropy 0.240" in screen and "KL to behaviour 0.0123" in screen and "trust-region cut 5.0%" in screen
+    assert "answer 42 tokens" in screen and "step 9: entropy jumped to 0.24" in screen
 
 
 def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path):

@@ -1,0 +1,230 @@
+"""The proof's GRPO stage, offline and fast: same prompts, same trainer step, sampling without agents.
+
+Why: one real GRPO stage of the proof (mini-swe-agent, sandboxes, vLLM) takes ~10 minutes; finding why a
+recipe collapses needs many seeds and variants. This loop keeps what decides learning and drops the rest:
+
+    prompts      the first turn's exact prompt ids of real captures (a proof's solver/ and eval-sft/ traces)
+    sampling     the model itself, temperature 0.7, 64 tokens, behaviour logprobs recorded as vLLM would
+    two turns    as mini-swe-agent's rollouts: the command, its tool output (the exact ids of a captured
+                 output of the same kind: empty for a redirection, the echoed text for the slip), then the
+                 second call (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); a malformed first call ends it
+    reward       1 when the first tool call is exactly `echo WORD > FILE` (the toy's verifier, first step only)
+    the step     HarnessAsyncGRPOTrainer._train_on itself (advantages, packing, loss, schedule, optimizer)
+    staleness    a group is trained `--delay` steps after it was sampled (the proof keeps 2 groups in flight)
+
+    python bench/grpo_toy.py --proof runs/demo --seeds 0 1 2 3 4 --variant old --variant new
+
+prints, per variant, the held-out first-command win rate of the SFT model and after GRPO for each seed, the
+collapses (held-out win rate or format below the SFT model's by 20 points), and per-step traces with --verbose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from harness_trainer.adapters.session import HarnessRolloutOutcome, RolloutRecord
+from harness_trainer.adapters.tasks import Task
+from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+TEMPERATURE, MAX_TOKENS, G = 0.7, 64, 8
+# name -> AsyncGRPOConfig fields (and the pipeline delay); "old" is the proof's recipe before issue 12
+OLD = dict(learning_rate=3e-4, behaviour_clip=False, max_step_kl=None)
+VARIANTS = {
+    "old": OLD,
+    "old-lr1e-4": OLD | dict(learning_rate=1e-4),
+    "clip": OLD | dict(behaviour_clip=True),
+    "warmup": OLD | dict(warmup_ratio=0.25, lr_scheduler_type="constant_with_warmup"),
+    "gps2": OLD | dict(groups_per_step=2),
+    "kl": OLD | dict(max_step_kl=0.01),
+    "new": dict(learning_rate=3e-4, max_step_kl=0.01, behaviour_clip=True),
+    "new-gps2": dict(learning_rate=3e-4, max_step_kl=0.01, behaviour_clip=True, groups_per_step=2,
+                     warmup_ratio=0.1, lr_scheduler_type="constant_with_warmup"),
+}
+
+
+def load_prompts(folder: Path) -> dict[str, list[int]]:
+    """task name -> the first turn's prompt ids, from a folder's traces.jsonl (one task, one prompt)."""
+    prompts = {}
+    for line in (folder / "traces.jsonl").read_text().splitlines():
+        first = json.loads(line)["turns"][0]
+        task = first["metadata"]["episode_id"].rsplit("-", 1)[0]
+        prompts.setdefault(task, first["prompt_token_ids"])
+    return prompts
+
+
+def load_outputs(folder: Path, tok) -> dict[tuple[str, bool], list[int]]:
+    """(task, redirected) -> the ids between the first completion and the second call: the tool output."""
+    outputs = {}
+    for line in (folder / "traces.jsonl").read_text().splitlines():
+        turns = json.loads(line)["turns"]
+        if len(turns) < 2:
+            continue
+        first, second = turns[0], turns[1]
+        task = first["metadata"]["episode_id"].rsplit("-", 1)[0]
+        redirected = " > " in tok.decode(first["completion_token_ids"])
+        outputs.setdefault((task, redirected), second["prompt_token_ids"][len(first["prompt_token_ids"]) +
+                                                                          len(first["completion_token_ids"]):])
+    return outputs
+
+
+def target(task: str) -> str:
+    _, _, _, word, stem = task.split("-", 4)
+    return f"echo {word} > {stem}.txt"
+
+
+CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def command_of(text: str) -> str | None:
+    match = CALL.search(text)
+    try:
+        return json.loads(match.group(1))["arguments"]["command"] if match else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def judge(text: str, task: str) -> tuple[float, bool]:
+    """(reward, well formed): the first tool call's command against the solution."""
+    command = command_of(text)
+    return float(command is not None and command.strip() == target(task)), command is not None
+
+
+@torch.no_grad()
+def sample(model, prompt: list[int], n: int, eos: int, gen: torch.Generator) -> list[tuple[list[int], list[float]]]:
+    """n completions of one prompt with their behaviour logprobs (processed: at the sampling temperature)."""
+    model.eval()
+    ids = torch.tensor([prompt] * n)
+    out = model(input_ids=ids, use_cache=True)
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    tokens, logps, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
+    for _ in range(MAX_TOKENS):
+        logp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+        for i in range(n):
+            if not done[i]:
+                tokens[i].append(int(nxt[i]))
+                logps[i].append(float(logp[i, nxt[i]]))
+                done[i] = int(nxt[i]) == eos
+        if all(done):
+            break
+        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+    return list(zip(tokens, logps))
+
+
+def evaluate(model, tok, prompts: dict[str, list[int]], n: int, eos: int, seed: int) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(seed)
+    wins = formed = 0
+    for task, prompt in prompts.items():
+        for ids, _ in sample(model, prompt, n, eos, gen):
+            reward, ok = judge(tok.decode(ids), task)
+            wins, formed = wins + reward, formed + ok
+    total = n * len(prompts)
+    return wins / total, formed / total
+
+
+def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict, seed: int, steps: int,
+        delay: int, eval_n: int, verbose: bool) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    fields = dict(fields)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HarnessAsyncGRPOTrainer(str(model_dir), lambda sampling: None, AsyncGRPOConfig(
+            output_dir=out, num_generations=G, max_steps=steps, temperature=TEMPERATURE, seed=seed, **fields),
+            [Task.__new__(Task)])
+        gps = trainer.args.groups_per_step
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        names = sorted(train)
+        queue, history = [], []
+        for step in range(steps + delay):
+            if step < steps:  # this step's groups, sampled by the current policy (its version = step)
+                groups = []
+                for _ in range(gps):
+                    task = rng.choice(names)
+                    records = []
+                    for g, (ids, logps) in enumerate(sample(trainer.model, train[task], G, eos, gen)):
+                        text = tok.decode(ids)
+                        reward, formed = judge(text, task)
+                        prompt, turns = train[task], []
+                        while True:
+                            turns.append({"node_id": f"{task}-{step}-{g}:{len(turns)}", "prompt_token_ids": prompt,
+                                          "completion_token_ids": ids, "per_token_logps": logps,
+                                          "loss_mask": [0] * len(prompt) + [1] * len(ids),
+                                          "metadata": {"policy_version": step}})
+                            if len(turns) == 2 or not formed:
+                                break
+                            output = outputs[(task, " > " in command_of(text))]
+                            prompt = prompt + ids + output
+                            ids, logps = sample(trainer.model, prompt, 1, eos, gen)[0]
+                        records.append(RolloutRecord(task, f"{task}-{g}", HarnessRolloutOutcome(
+                            reward, [], [], 0, 0, {}, False), "ok", training_trace={"turns": turns},
+                            policy_versions=[step]))
+                    groups.append(records)
+                queue.append(groups)
+            if step >= delay:
+                metrics = trainer._train_on(queue.pop(0))
+                trainer.step += 1
+                trainer.history.append(metrics)
+                history.append(metrics)
+                if verbose:
+                    keys = ("reward_mean", "entropy", "behaviour_kl_k3", "behaviour_clip_frac", "step_kl_unbounded",
+                            "step_scale", "lr",
+                            "completion_tokens_mean", "trained_tokens")
+                    print("   ", trainer.step, {k: round(metrics[k], 4) for k in keys if metrics.get(k) is not None},
+                          flush=True)
+        win, formed = evaluate(trainer.model, tok, heldout, eval_n, eos, seed + 1000)
+    return {"win": win, "formed": formed, "rewards": [h.get("reward_mean") for h in history],
+            "entropy": [h.get("entropy") for h in history]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--proof", required=True, help="a proof's output folder (sft/, solver/, eval-sft/)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS), help="repeatable (default: old)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--delay", type=int, default=1, help="steps between sampling a group and training on it")
+    parser.add_argument("--eval-n", type=int, default=8, help="samples per held-out task")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    proof = Path(args.proof)
+    model_dir = proof / "sft"
+    train, heldout = load_prompts(proof / "solver"), load_prompts(proof / "eval-sft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    outputs = load_outputs(proof / "solver", tok)
+    sft = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    base_win, base_formed = evaluate(sft, tok, heldout, args.eval_n, eos, 1000)
+    print(f"SFT model: held-out first-command wins {base_win:.0%}, well formed {base_formed:.0%}", flush=True)
+    for name in args.variant or ["old"]:
+        results = []
+        for seed in args.seeds:
+            r = run(model_dir, train, outputs, heldout, VARIANTS[name], seed, args.steps, args.delay, args.eval_n,
+                    args.verbose)
+            results.append(r)
+            rewards = " ".join("-" if x is None else f"{x:.2f}" for x in r["rewards"])
+            print(f"  {name} seed {seed}: wins {r['win']:.0%} ({100 * (r['win'] - base_win):+.0f}), well formed "
+                  f"{r['formed']:.0%}; rewards {rewards}", flush=True)
+        gains = [100 * (r["win"] - base_win) for r in results]
+        collapsed = sum(r["win"] < base_win - 0.2 or r["formed"] < base_formed - 0.2 for r in results)
+        print(f"{name}: gain mean {statistics.mean(gains):+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f}; "
+              f"collapsed {collapsed}/{len(results)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

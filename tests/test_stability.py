@@ -1,0 +1,103 @@
+"""Learning that holds: the collapse warnings on constructed metrics, the learning-rate schedule, several
+groups in one step, and best/ holding the best step's model (no engine: the trainer's step is driven directly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness_trainer.adapters.session import HarnessRolloutOutcome, RolloutRecord
+from harness_trainer.adapters.tasks import Task
+from harness_trainer.stability import StabilityMonitor
+from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+
+def test_entropy_spike_warns_and_steady_noise_does_not():
+    monitor = StabilityMonitor()
+    for entropy in (0.012, 0.009, 0.017, 0.011, 0.015, 0.03):  # a near-deterministic policy's noise
+        assert monitor.check({"entropy": entropy, "behaviour_kl_k3": 0.001}) == []
+    warnings = monitor.check({"entropy": 0.24, "behaviour_kl_k3": 0.001})  # the collapse's step 9
+    assert len(warnings) == 1 and "entropy jumped to 0.24" in warnings[0]
+
+
+def test_kl_jump_and_all_zero_step_warn():
+    monitor = StabilityMonitor()
+    for kl in (0.001, 0.002, 0.001):
+        assert monitor.check({"behaviour_kl_k3": kl, "scorable": 8, "reward_max": 1.0}) == []
+    assert "behaviour_kl_k3 jumped" in monitor.check({"behaviour_kl_k3": 0.2, "scorable": 8, "reward_max": 1.0})[0]
+    zero = monitor.check({"behaviour_kl_k3": 0.001, "scorable": 8, "reward_max": 0.0})
+    assert len(zero) == 1 and "every rollout of this step scored 0" in zero[0]
+    # a run that has never scored is not warned about: nothing fell
+    assert StabilityMonitor().check({"scorable": 8, "reward_max": 0.0}) == []
+
+
+def _trainer(model_dir, tmp_path, **fields) -> HarnessAsyncGRPOTrainer:
+    return HarnessAsyncGRPOTrainer(str(model_dir), lambda sampling: None, AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"), **fields), [Task.__new__(Task)])
+
+
+def test_warmup_schedule_and_bad_schedule(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_steps=8, warmup_ratio=0.25,
+                       lr_scheduler_type="constant_with_warmup")
+    assert [trainer.lr_at(s) for s in range(4)] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
+    cosine = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_steps=4, lr_scheduler_type="cosine")
+    assert cosine.lr_at(0) == pytest.approx(1e-3) and cosine.lr_at(2) == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="warmup_ratio needs a schedule with a warm-up"):
+        _trainer(tiny_model_dir, tmp_path, warmup_ratio=0.1)
+
+
+def _group(task: str, rewards: list[float], token: int) -> list[RolloutRecord]:
+    records = []
+    for g, reward in enumerate(rewards):
+        turn = {"node_id": f"{task}-{g}", "prompt_token_ids": [1, 50, 60, 2], "completion_token_ids": [token + g, 7],
+                "per_token_logps": [-3.0, -3.0], "loss_mask": [0, 0, 0, 0, 1, 1], "metadata": {"policy_version": 0}}
+        records.append(RolloutRecord(task, f"{task}-{g}", HarnessRolloutOutcome(reward, [], [], 0, 0, {}, False),
+                                     "ok", training_trace={"turns": [turn]}, policy_versions=[0]))
+    return records
+
+
+def test_two_groups_in_one_step_each_with_its_own_advantages(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, groups_per_step=2)
+    metrics = trainer._train_on([_group("a", [1.0, 0.0], 300), _group("b", [1.0, 1.0], 400)])
+    # b's rewards are all equal: it is counted, and only a's two rollouts (2 tokens each) are trained
+    assert metrics["groups"] == 2 and metrics["zero_variance_groups"] == 1 and not metrics["zero_variance"]
+    assert metrics["trained_tokens"] == 4 and metrics["rollouts"] == 4 and metrics["reward_mean"] == 0.75
+    assert metrics["completion_tokens_mean"] == 2 and "entropy" in metrics and "behaviour_clip_frac" in metrics
+    # the same step with the groups one at a time, from the same weights: one step of two groups differs
+    alone = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3)
+    assert alone._train_on([_group("a", [1.0, 0.0], 300)])["trained_tokens"] == 4
+
+
+def test_best_checkpoint_is_the_best_steps_model(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tiny_model_dir, tmp_path, save_best=True, best_window=2)
+    saved = {}
+    for step, reward in enumerate([0.2, 0.6, 1.0, 0.8, 0.0, 0.0], start=1):
+        with torch.no_grad():  # a different model after every step
+            trainer.model.lm_head.weight.fill_(step)
+        trainer.step = step
+        trainer.history.append({"step": step, "reward_mean": reward})
+        if trainer._keep_if_best():
+            saved[step] = reward
+    # window means: 0.2, 0.4, 0.8, 0.9, 0.4, 0.0 -> improved at steps 1, 2, 3, 4; the best is step 4's
+    assert list(saved) == [1, 2, 3, 4]
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "best")
+    assert float(best.lm_head.weight[0, 0]) == 4.0
+    assert (tmp_path / "run" / "best" / "tokenizer.json").exists()  # servable, like final/
+
+
+def test_step_kl_bound_halves_a_step_that_moves_the_policy_too_far(tiny_model_dir, tmp_path):
+    """A fresh batch (behaviour = current policy): no ratio clip can bind, the step bound must."""
+    groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
+    free = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=None)
+    unbounded = free._train_on(groups())
+    assert "step_scale" not in unbounded
+    bounded_trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=0.01)
+    before = {k: v.clone() for k, v in bounded_trainer.model.state_dict().items()}
+    bounded = bounded_trainer._train_on(groups())
+    assert bounded["step_kl_unbounded"] > 0.01 >= bounded["step_kl"] and bounded["step_scale"] < 1
+    # the bounded model is the old one moved by step_scale times the full step (the unbounded trainer's)
+    for name, value in bounded_trainer.model.state_dict().items():
+        full = free.model.state_dict()[name] - before[name]
+        assert torch.allclose(value, before[name] + bounded["step_scale"] * full, atol=1e-6), name
