@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     proof = Path(args.proof)
-    model_dir = proof / "sft"
+    model_dir = proof / "sft" / "final" if (proof / "sft" / "final").exists() else proof / "sft"
     train, heldout = load_prompts(proof / "solver"), load_prompts(proof / "eval-sft")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

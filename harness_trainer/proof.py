@@ -9,6 +9,9 @@
     (e) GRPO from the SFT model with `harness-train`'s run_training     (f) eval
     then the table (model, wins, tries per win, invalid tool calls) and the curves, in OUTPUT_DIR.
 
+    --sft-model DIR --seeds 0 1 2 3 4: only (d)-(f), the GRPO stage once per seed from one fixed SFT model,
+    each in grpo-seedN/, with the mean and spread of the gain over SFT (how the stage's stability is measured).
+
 What each stage can learn, by design: SFT learns the tool-call format and to copy the word and the file from
 the instruction (which carries over to held-out pairs), and the solver's coin flip between `>` and the slip
 (which it cannot tell apart: both are in the data, for every task). Only the reward separates them, so that is
@@ -156,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
     sft_model = Path(args.sft_model) if args.sft_model else None
+    if sft_model and (sft_model / "final" / "config.json").exists():
+        sft_model = sft_model / "final"  # the sft/ folder of an earlier proof
     if sft_model and not (sft_model / "config.json").exists():
-        print(f"proof: --sft-model {sft_model} is not a model folder (no config.json); give the sft/ folder of "
-              "an earlier run", file=sys.stderr)
+        print(f"proof: --sft-model {sft_model} is not a model folder (no config.json); give an earlier proof's "
+              "sft/ folder or any model folder", file=sys.stderr)
         return 1
     if out.exists() and any(out.iterdir()):
         print(f"proof: {out} is not empty; remove it or pass --output-dir NEW", file=sys.stderr)

@@ -1,4 +1,16 @@
-"""Seeing a collapse coming: warnings from one step's metrics against the steps before it.
+"""Learning that holds: the trust region for fresh tokens, and seeing a collapse coming.
+
+1. bound_step. With one optimizer update per batch no ratio clip can bind on freshly sampled tokens: the
+   gradient is taken where the ratio is 1. So the step itself is bounded. After the optimizer's step,
+
+       kl(s) = mean over the step's trained tokens of k3(p_before, p_after),  k3 = r - 1 - log r,  r = p_after/p_before
+       theta = theta_before + s * delta,  s = 1, 1/2, 1/4, ... while kl(s) > max_kl (s >= 1/64)
+
+   Adam's moments keep the full step's update; only the move is shortened. (A single rollout with a -7/8
+   advantage moved the toy proof's policy by KL 0.4 in one step at lr 3e-4, against 0.001-0.004 for the steps
+   before it; two steps later every answer was malformed.)
+
+2. StabilityMonitor: warnings from one step's metrics against the steps before it.
 
 A policy that over-learns one rewarded decision shows it before its reward falls: the entropy of its sampled
 tokens jumps (answers grow long and repetitive), its distance to the policy that sampled the batch jumps,
@@ -14,7 +26,25 @@ The floors keep the first noisy steps of a near-deterministic policy (entropy 0.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+
+
+def bound_step(params: list[torch.Tensor], before: list[torch.Tensor], measure: Callable[[], float],
+               max_kl: float, min_scale: float = 1 / 64) -> dict:
+    """Shorten the step just taken (params now, before it: `before`) until measure() <= max_kl."""
+    delta = [p.detach() - b for p, b in zip(params, before)]
+    scale = 1.0
+    kl = first = measure()
+    while kl > max_kl and scale > min_scale:
+        scale /= 2
+        with torch.no_grad():
+            for p, b, d in zip(params, before, delta):
+                p.copy_(b + scale * d)
+        kl = measure()
+    return {"step_kl": kl, "step_kl_unbounded": first, "step_scale": scale}
 
 
 @dataclass

@@ -18,10 +18,8 @@
 Staleness is read from the policy version the proxy stamped on each captured turn, not from dispatch time.
 A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does.
 
-Data parallel (`accelerate launch` / `torchrun`, one process per device, CPU included): rank 0 runs the
-rollouts, syncs weights and saves; it broadcasts each group's records, every rank packs the rollouts
-i % world_size == rank, and gradients are summed across ranks. The loss divides by the global number of
-trained tokens, so the summed gradient equals the single-process one and every rank takes the same step.
+Data parallel: harness_trainer/distributed.py. Checkpoints and best/: harness_trainer/checkpoints.py. The trust
+region for fresh tokens and the collapse warnings: harness_trainer/stability.py.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import copy
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
@@ -41,16 +38,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
 from harness_trainer.adapters.tasks import Task
+from harness_trainer.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
+from harness_trainer.distributed import all_reduce_gradients, all_reduce_sum, broadcast, init_distributed
 from harness_trainer.engine import teacher_forced_logprobs
 from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
 from harness_trainer.rewards import resolve_reward_fn, score
 from harness_trainer.rows import chains_from_trace, pack, tree_logprobs
-from harness_trainer.stability import StabilityMonitor
+from harness_trainer.stability import StabilityMonitor, bound_step
 from harness_trainer.traces import TrainingTrace
 from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights
 
@@ -118,7 +116,7 @@ class HarnessAsyncGRPOTrainer:
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if self.model_dir else model
         self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask
-        self.rank, self.world_size = _init_distributed()
+        self.rank, self.world_size = init_distributed()
         # One device per rank: the rank's GPU where there is one (the engine holds its own), else the CPU.
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -139,7 +137,6 @@ class HarnessAsyncGRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate)
         self.lr_at = _schedule(self.optimizer, args)
         self.monitor = StabilityMonitor()
-        self.best_reward: float | None = None
         self.step, self.version, self.task_cursor = 0, 0, 0
         self.out = Path(args.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -147,8 +144,9 @@ class HarnessAsyncGRPOTrainer:
         torch.manual_seed(args.seed)
         self.history: list[dict] = []
         self.callbacks = list(callbacks or [])
+        self.best = BestModel(self.out, args.best_window)
         if args.resume_from_checkpoint:
-            self._load(Path(args.resume_from_checkpoint))
+            load_checkpoint(self, Path(args.resume_from_checkpoint))
 
     # ---- rollouts ----------------------------------------------------------------------------------------
 
@@ -257,14 +255,16 @@ class HarnessAsyncGRPOTrainer:
             stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
                       "entropy_max": float(entropy.max())}
         if self.world_size > 1:
-            loss = self._all_reduce_gradients(loss.detach())
+            loss = all_reduce_gradients(self.model, loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = metrics["lr"]
         before = [p.detach().clone() for p in self.model.parameters()] if self.args.max_step_kl else None
         self.optimizer.step()
-        if before is not None:
-            stats |= self._bound_step(before, tree, None if logp is None else logp.detach())
+        if before is not None:  # the trust region for fresh tokens (harness_trainer/stability.py)
+            old = None if logp is None else logp.detach()
+            stats |= bound_step(list(self.model.parameters()), before, lambda: self._step_kl(tree, old),
+                                self.args.max_step_kl)
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total}
 
@@ -276,36 +276,8 @@ class HarnessAsyncGRPOTrainer:
                 diff = tree_logprobs(self.model, tree, self.args.temperature) - old
                 total += torch.stack([(torch.exp(diff) - 1 - diff).sum().double(),
                                       torch.tensor(float(diff.numel()), dtype=torch.float64, device=self.device)])
-        if self.world_size > 1:
-            dist.all_reduce(total)
+        all_reduce_sum(total, self.world_size)
         return float(total[0] / total[1].clamp(min=1))
-
-    def _bound_step(self, before: list[torch.Tensor], tree, old) -> dict:
-        """The trust region for fresh data. With one update per batch no ratio clip can bind (the ratio is 1
-        where the gradient is taken), so the step itself is bounded: while the batch's KL from the policy
-        before the step exceeds max_step_kl, the step is halved (theta = theta_old + s * delta, s = 1, 1/2, ...
-        at most 1/64). Adam's moments keep the full step's update; only the move is shortened."""
-        params = list(self.model.parameters())
-        delta = [p.detach() - b for p, b in zip(params, before)]
-        scale, kl = 1.0, self._step_kl(tree, old)
-        first = kl
-        while kl > self.args.max_step_kl and scale > 1 / 64:
-            scale /= 2
-            with torch.no_grad():
-                for p, b, d in zip(params, before, delta):
-                    p.copy_(b + scale * d)
-            kl = self._step_kl(tree, old)
-        return {"step_kl": kl, "step_kl_unbounded": first, "step_scale": scale}
-
-    def _all_reduce_gradients(self, loss: torch.Tensor) -> torch.Tensor:
-        """Sum gradients (and the loss, for logging) over ranks; a rank with no tokens adds zeros."""
-        for p in self.model.parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-        dist.all_reduce(loss)
-        return loss
 
     # ---- weights back into vLLM ----------------------------------------------------------------------------
 
@@ -343,74 +315,14 @@ class HarnessAsyncGRPOTrainer:
                                   f"by {gap:.2e} (> {self.args.probe_tolerance}): the engine did not take the weights")
         self.last_probe_gap = gap
 
-    # ---- checkpoints ---------------------------------------------------------------------------------------
+    # ---- checkpoints (harness_trainer/checkpoints.py) ------------------------------------------------------
 
     def save_model(self, path: str | Path) -> Path:
         """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve."""
-        path = Path(path)
-        self.model.save_pretrained(path)
-        if self.model_dir:
-            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-                if (self.model_dir / name).exists() and not (path / name).exists():
-                    shutil.copy2(self.model_dir / name, path / name)
-        return path
+        return save_model(self.model, path, self.model_dir)
 
     def _save(self) -> Path:
-        path = self.out / f"checkpoint-{self.step}"
-        tmp = self.out / f".checkpoint-{self.step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.save_model(tmp)
-        torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "rng": self.rng.getstate()}, tmp / "trainer_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": self.step, "version": self.version, "task_cursor": self.task_cursor,
-             "best_reward": self.best_reward}))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)  # a crash mid-save leaves the previous checkpoint whole
-        checkpoints = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-        for old in checkpoints[:-self.args.save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-        return path
-
-    def _keep_if_best(self) -> bool:
-        """best/: the model after the step whose training reward, averaged over the last best_window trained
-        steps, is the highest so far (ties keep the earlier one). Written beside, then renamed over, the old."""
-        rewards = [h["reward_mean"] for h in self.history if h.get("reward_mean") is not None]
-        if not rewards:
-            return False
-        recent = rewards[-self.args.best_window:]
-        value = sum(recent) / len(recent)
-        if self.best_reward is not None and value <= self.best_reward:
-            return False
-        self.best_reward = value
-        tmp, best = self.out / ".best.tmp", self.out / "best"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.save_model(tmp)
-        (tmp / "best.json").write_text(json.dumps({"step": self.step, "reward_window_mean": value,
-                                                   "window": len(recent)}))
-        shutil.rmtree(best, ignore_errors=True)
-        tmp.rename(best)
-        return True
-
-    def _load(self, path: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        if path.name == "latest":
-            found = sorted(path.parent.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-            if not found:
-                raise FileNotFoundError(f"no checkpoint-* in {path.parent} to resume from")
-            path = found[-1]
-        state = json.loads((path / "trainer_state.json").read_text())
-        blob = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
-        self.optimizer.load_state_dict(blob["optimizer"])
-        torch.set_rng_state(blob["torch_rng"])
-        self.rng.setstate(blob["rng"])
-        self.step, self.version, self.task_cursor = state["step"], state["version"], state["task_cursor"]
-        self.best_reward = state.get("best_reward")
-        metrics = path.parent / "metrics.jsonl"  # the best_window of steps before the checkpoint
-        if metrics.exists():
-            self.history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] <= self.step]
+        return save_checkpoint(self, self.args.save_total_limit)
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -421,11 +333,11 @@ class HarnessAsyncGRPOTrainer:
             return self._lead()
         finally:
             if self.world_size > 1:
-                _broadcast(None)  # releases the other ranks, on success or error
+                broadcast(None)  # releases the other ranks, on success or error
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
-        while (groups := _broadcast(None)) is not None:
+        while (groups := broadcast(None)) is not None:
             self._train_on(groups)
             self.step += 1
         return self.history
@@ -462,7 +374,7 @@ class HarnessAsyncGRPOTrainer:
                     started = time.perf_counter()
                     if groups:
                         if self.world_size > 1:
-                            _broadcast(groups)
+                            broadcast(groups)
                         metrics |= self._train_on(groups)
                     metrics["train_time_s"] = time.perf_counter() - started
                     self.step += 1
@@ -476,9 +388,9 @@ class HarnessAsyncGRPOTrainer:
                             log.warning("step %d: %s", self.step, warning)
                     if self.step % args.save_steps == 0 or self.step == args.max_steps:
                         self._save()  # before the metrics line: a logged step is a saved step
-                    self.history.append(metrics)
-                    if args.save_best and self._keep_if_best():
+                    if args.save_best and self.best.update(self.step, metrics.get("reward_mean"), self.save_model):
                         metrics["best"] = True
+                    self.history.append(metrics)
                     with (self.out / "metrics.jsonl").open("a") as f:
                         f.write(json.dumps(metrics) + "\n")
                     self._notify("on_step", metrics)
@@ -527,25 +439,6 @@ def _schedule(optimizer, args: AsyncGRPOConfig):
                          "'constant_with_warmup' (or linear, cosine, ...) instead of 'constant'")
     factor = scheduler.lr_lambdas[0]
     return lambda step: args.learning_rate * factor(step)
-
-
-def _init_distributed() -> tuple[int, int]:
-    """(rank, world size): from the launcher's environment (accelerate launch, torchrun), else (0, 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _broadcast(obj):
-    """Rank 0's object to every rank (None means: no more steps)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _mean(values: list[float]) -> float | None:

@@ -3,6 +3,8 @@ groups in one step, and best/ holding the best step's model (no engine: the trai
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -73,18 +75,17 @@ def test_best_checkpoint_is_the_best_steps_model(tiny_model_dir, tmp_path):
 
     trainer = _trainer(tiny_model_dir, tmp_path, save_best=True, best_window=2)
     saved = {}
-    for step, reward in enumerate([0.2, 0.6, 1.0, 0.8, 0.0, 0.0], start=1):
+    for step, reward in enumerate([0.2, 0.6, 1.0, 0.8, 0.0, None, 0.0], start=1):
         with torch.no_grad():  # a different model after every step
             trainer.model.lm_head.weight.fill_(step)
-        trainer.step = step
-        trainer.history.append({"step": step, "reward_mean": reward})
-        if trainer._keep_if_best():
+        if trainer.best.update(step, reward, trainer.save_model):
             saved[step] = reward
-    # window means: 0.2, 0.4, 0.8, 0.9, 0.4, 0.0 -> improved at steps 1, 2, 3, 4; the best is step 4's
+    # window means: 0.2, 0.4, 0.8, 0.9, 0.4, (no reward), 0.0 -> improved at steps 1, 2, 3, 4: the best is step 4's
     assert list(saved) == [1, 2, 3, 4]
     best = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "best")
     assert float(best.lm_head.weight[0, 0]) == 4.0
     assert (tmp_path / "run" / "best" / "tokenizer.json").exists()  # servable, like final/
+    assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["step"] == 4
 
 
 def test_step_kl_bound_halves_a_step_that_moves_the_policy_too_far(tiny_model_dir, tmp_path):

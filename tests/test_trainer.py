@@ -102,6 +102,15 @@ def test_failed_rollouts_do_not_stop_training(fresh_engine, proxy, tiny_model_di
     assert len(history) == 2 and history[1]["failed"] == 2 and history[1]["scorable"] == 0
 
 
+def test_two_groups_per_step_in_the_real_loop(fresh_engine, proxy, tiny_model_dir, tmp_path):
+    tasks = [load_task(say_task(tmp_path, "one")), load_task(say_task(tmp_path, "two", "Say something else."))]
+    factory = partial(LocalSessionFactory, proxy=proxy.client, harness=SAY_HARNESS, output_dir=tmp_path / "r")
+    history = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, config(
+        tmp_path, fresh_engine, max_steps=1, groups_per_step=2), tasks).train()
+    assert len(history) == 1 and history[0]["groups"] == 2 and history[0]["rollouts"] == 4
+    assert history[0]["task"] == "one,two" and history[0]["dropped_stale"] == 0
+
+
 def test_stale_in_flight_rollouts_are_cancelled_not_finished(fresh_engine, proxy, tiny_model_dir, tmp_path):
     """With max_staleness 0, a group still running when the weights move is stopped at once."""
     slow = CommandHarness(f"case {{instruction}} in *slow*) sleep 120;; esac; python3 -c {shlex.quote(SAY)} "

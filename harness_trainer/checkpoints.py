@@ -1,0 +1,106 @@
+"""What a run leaves on disk: servable models, resumable checkpoints, and best/.
+
+    checkpoint-N/   model + tokenizer (vLLM serves it), trainer_state.pt (optimizer, RNGs),
+                    trainer_state.json (step, policy version, dataset cursor, best/'s bookkeeping)
+    best/           with save_best: the model after the step with the best training reward, averaged over
+                    the last `window` steps with a reward (one group's mean is too noisy to rank by)
+
+Every folder is written beside its final name and renamed over it: a crash mid-save leaves the old one whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_model(model, path: str | Path, model_dir: Path | None) -> Path:
+    """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve."""
+    path = Path(path)
+    model.save_pretrained(path)
+    if model_dir:
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).exists() and not (path / name).exists():
+                shutil.copy2(model_dir / name, path / name)
+    return path
+
+
+def _replace(tmp: Path, final: Path) -> Path:
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+class BestModel:
+    """Keeps best/ up to date; its state (best value, recent rewards) travels in each checkpoint."""
+
+    def __init__(self, out: Path, window: int):
+        self.out, self.window = out, window
+        self.value: float | None = None
+        self.recent: list[float] = []
+
+    def update(self, step: int, reward: float | None, save) -> bool:
+        """After a step: True when it is the new best (ties keep the earlier step) and best/ was rewritten."""
+        if reward is None:
+            return False
+        self.recent = (self.recent + [reward])[-self.window:]
+        value = sum(self.recent) / len(self.recent)
+        if self.value is not None and value <= self.value:
+            return False
+        self.value = value
+        tmp = self.out / ".best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(tmp)
+        (tmp / "best.json").write_text(json.dumps({"step": step, "reward_window_mean": value,
+                                                   "window": len(self.recent)}))
+        _replace(tmp, self.out / "best")
+        return True
+
+    def state(self) -> dict:
+        return {"best_reward": self.value, "recent_rewards": self.recent}
+
+    def restore(self, state: dict) -> None:
+        self.value, self.recent = state.get("best_reward"), list(state.get("recent_rewards", []))
+
+
+def save_checkpoint(trainer, keep: int) -> Path:
+    out, step = trainer.out, trainer.step
+    tmp = out / f".checkpoint-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_model(tmp)
+    torch.save({"optimizer": trainer.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "rng": trainer.rng.getstate()}, tmp / "trainer_state.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(
+        {"step": step, "version": trainer.version, "task_cursor": trainer.task_cursor} | trainer.best.state()))
+    path = _replace(tmp, out / f"checkpoint-{step}")
+    for old in _checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    return sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
+def load_checkpoint(trainer, path: Path) -> None:
+    """Model, optimizer, RNGs, step, version, dataset cursor and best/'s state; `.../latest` is the newest."""
+    from transformers import AutoModelForCausalLM
+
+    if path.name == "latest":
+        found = _checkpoints(path.parent)
+        if not found:
+            raise FileNotFoundError(f"no checkpoint-* in {path.parent} to resume from")
+        path = found[-1]
+    state = json.loads((path / "trainer_state.json").read_text())
+    blob = torch.load(path / "trainer_state.pt", weights_only=False)
+    trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+    trainer.optimizer.load_state_dict(blob["optimizer"])
+    torch.set_rng_state(blob["torch_rng"])
+    trainer.rng.setstate(blob["rng"])
+    trainer.step, trainer.version, trainer.task_cursor = state["step"], state["version"], state["task_cursor"]
+    trainer.best.restore(state)
