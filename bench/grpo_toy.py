@@ -8,7 +8,8 @@ recipe collapses needs many seeds and variants. This loop keeps what decides lea
     two turns    as mini-swe-agent's rollouts: the command, its tool output (the exact ids of a captured
                  output of the same kind: empty for a redirection, the echoed text for the slip), then the
                  second call (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); a malformed first call ends it
-    reward       1 when the first tool call is exactly `echo WORD > FILE` (the toy's verifier, first step only)
+    reward       1 when the first tool call is exactly `echo WORD > FILE` and the second redirects nothing (an
+                 `echo COMPLETE... > FILE` overwrites the answer, and the real verifier then scores 0)
     the step     HarnessAsyncGRPOTrainer._train_on itself (advantages, packing, loss, schedule, optimizer)
     staleness    a group is trained `--delay` steps after it was sampled (the proof keeps 2 groups in flight)
 
@@ -37,7 +38,8 @@ from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 TEMPERATURE, MAX_TOKENS, G = 0.7, 64, 8
 # name -> AsyncGRPOConfig fields (and the pipeline delay); "old" is the proof's recipe before issue 12
-OLD = dict(learning_rate=3e-4, behaviour_clip=False, max_step_kl=None)
+# name -> AsyncGRPOConfig fields; "old" is the trainer and recipe before issue 12 (no trust region that binds)
+OLD = dict(learning_rate=3e-4, behaviour_clip=False, max_step_kl=None, step_clip=None)
 VARIANTS = {
     "old": OLD,
     "old-lr1e-4": OLD | dict(learning_rate=1e-4),
@@ -45,9 +47,9 @@ VARIANTS = {
     "warmup": OLD | dict(warmup_ratio=0.25, lr_scheduler_type="constant_with_warmup"),
     "gps2": OLD | dict(groups_per_step=2),
     "kl": OLD | dict(max_step_kl=0.01),
-    "new": dict(learning_rate=3e-4, max_step_kl=0.01, behaviour_clip=True),
-    "new-gps2": dict(learning_rate=3e-4, max_step_kl=0.01, behaviour_clip=True, groups_per_step=2,
-                     warmup_ratio=0.1, lr_scheduler_type="constant_with_warmup"),
+    "kl+clip": OLD | dict(max_step_kl=0.01, behaviour_clip=True),
+    "new": dict(learning_rate=3e-4),  # the trainer's defaults: step_clip 0.2, max_step_kl 0.01, behaviour_clip
+    "new-gps2": dict(learning_rate=3e-4, groups_per_step=2, warmup_ratio=0.1, lr_scheduler_type="constant_with_warmup"),
 }
 
 
@@ -162,7 +164,11 @@ def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict
                                           "completion_token_ids": ids, "per_token_logps": logps,
                                           "loss_mask": [0] * len(prompt) + [1] * len(ids),
                                           "metadata": {"policy_version": step}})
-                            if len(turns) == 2 or not formed:
+                            if len(turns) == 2:
+                                second = command_of(tok.decode(ids))
+                                reward = reward if second is not None and ">" not in second else 0.0
+                                break
+                            if not formed:
                                 break
                             output = outputs[(task, " > " in command_of(text))]
                             prompt = prompt + ids + output
@@ -179,7 +185,7 @@ def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict
                 history.append(metrics)
                 if verbose:
                     keys = ("reward_mean", "entropy", "behaviour_kl_k3", "behaviour_clip_frac", "step_kl_unbounded",
-                            "step_scale", "lr",
+                            "step_ratio_min_unbounded", "step_ratio_max_unbounded", "step_scale", "lr",
                             "completion_tokens_mean", "trained_tokens")
                     print("   ", trainer.step, {k: round(metrics[k], 4) for k in keys if metrics.get(k) is not None},
                           flush=True)

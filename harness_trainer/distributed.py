@@ -43,7 +43,8 @@ def all_reduce_gradients(model, loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def all_reduce_sum(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, world_size: int, op: str = "sum") -> torch.Tensor:
+    """In place over every rank (sum or max); a no-op in one process."""
     if world_size > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor

@@ -1,14 +1,19 @@
 """Learning that holds: the trust region for fresh tokens, and seeing a collapse coming.
 
 1. bound_step. With one optimizer update per batch no ratio clip can bind on freshly sampled tokens: the
-   gradient is taken where the ratio is 1. So the step itself is bounded. After the optimizer's step,
+   gradient is taken where the ratio is 1. So the step itself is bounded. After the optimizer's step, on the
+   step's own trained tokens, with r_t = p_after(t) / p_before(t):
 
-       kl(s) = mean over the step's trained tokens of k3(p_before, p_after),  k3 = r - 1 - log r,  r = p_after/p_before
-       theta = theta_before + s * delta,  s = 1, 1/2, 1/4, ... while kl(s) > max_kl (s >= 1/64)
+       every token   1 - step_clip <= r_t <= 1 + step_clip       (PPO's clip range, as a bound on the move)
+       on average    mean_t k3 = r_t - 1 - log r_t <= max_step_kl
+       theta = theta_before + s * delta,  s = 1, 1/2, 1/4, ... until both hold (s >= 1/64)
 
-   Adam's moments keep the full step's update; only the move is shortened. (A single rollout with a -7/8
-   advantage moved the toy proof's policy by KL 0.4 in one step at lr 3e-4, against 0.001-0.004 for the steps
-   before it; two steps later every answer was malformed.)
+   Adam's moments keep the full step's update; only the move is shortened. Why per token and not only on
+   average: in the toy proof one step moved the submit call `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` to
+   `... FINAL_OUTP > data.txt` (which overwrites the answer) in every rollout that followed, at a mean KL of
+   0.006 over the step's 620 tokens: a catastrophe at one position is invisible in the mean. The mean bound
+   alone still caught the steps that moved everything (KL 0.4 in one step at lr 3e-4, against 0.001-0.004
+   for the steps before it).
 
 2. StabilityMonitor: warnings from one step's metrics against the steps before it.
 
@@ -32,19 +37,20 @@ from dataclasses import dataclass, field
 import torch
 
 
-def bound_step(params: list[torch.Tensor], before: list[torch.Tensor], measure: Callable[[], float],
-               max_kl: float, min_scale: float = 1 / 64) -> dict:
-    """Shorten the step just taken (params now, before it: `before`) until measure() <= max_kl."""
+def bound_step(params: list[torch.Tensor], before: list[torch.Tensor], measure: Callable[[], dict],
+               within: Callable[[dict], bool], min_scale: float = 1 / 64) -> dict:
+    """Shorten the step just taken (params now, before it: `before`) until within(measure())."""
     delta = [p.detach() - b for p, b in zip(params, before)]
     scale = 1.0
-    kl = first = measure()
-    while kl > max_kl and scale > min_scale:
+    change = first = measure()
+    while not within(change) and scale > min_scale:
         scale /= 2
         with torch.no_grad():
             for p, b, d in zip(params, before, delta):
                 p.copy_(b + scale * d)
-        kl = measure()
-    return {"step_kl": kl, "step_kl_unbounded": first, "step_scale": scale}
+        change = measure()
+    return ({"step_scale": scale} | {f"step_{k}": v for k, v in change.items()}
+            | {f"step_{k}_unbounded": v for k, v in first.items()})
 
 
 @dataclass

@@ -7,7 +7,8 @@
         rewards -> advantages per group -> chains -> prefix-tree packing -> loss -> one optimizer step
         (learning rate from the schedule: warmup_ratio, lr_scheduler_type, as in TRL)
         trust region: stale tokens past the clip range of their ratio to the behaviour policy get no gradient;
-                      a step whose KL on its own batch exceeds max_step_kl is halved until it does not
+                      a step that moves a trained token's probability by more than a factor 1 +- step_clip,
+                      or its batch by more than max_step_kl on average, is halved until it does not
         stability: ratios, trust-region cuts, IS weights, entropy, KL to the behaviour policy, answer length;
                    a warning when entropy or KL jumps or every rollout of the step scored zero
         every weight_sync_steps: weights -> the same vLLM (reload), version += 1 in vLLM and the proxy,
@@ -42,7 +43,7 @@ import torch
 from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
 from harness_trainer.adapters.tasks import Task
 from harness_trainer.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
-from harness_trainer.distributed import all_reduce_gradients, all_reduce_sum, broadcast, init_distributed
+from harness_trainer.distributed import all_reduce, all_reduce_gradients, broadcast, init_distributed
 from harness_trainer.engine import teacher_forced_logprobs
 from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
@@ -81,7 +82,8 @@ class AsyncGRPOConfig:
     is_bound: float = 2.0
     kl_beta: float = 0.0
     behaviour_clip: bool = True  # decoupled: no gradient past the clip range of the ratio to the behaviour policy
-    max_step_kl: float | None = 0.01  # trust region for fresh data: halve a step whose KL on its batch is larger
+    step_clip: float | None = 0.2  # trust region for fresh data: no trained token's probability moves by more
+    max_step_kl: float | None = 0.01  # than a factor 1 +- step_clip in one step, nor the batch by more mean KL
     groups_per_step: int = 1  # finished groups (tasks) per optimizer step, each with its own advantages
     warmup_ratio: float = 0.0  # share of max_steps over which the learning rate rises from 0 (TRL's name)
     lr_scheduler_type: str = "constant"  # transformers' names: constant, constant_with_warmup, linear, cosine, ...
@@ -259,25 +261,35 @@ class HarnessAsyncGRPOTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = metrics["lr"]
-        before = [p.detach().clone() for p in self.model.parameters()] if self.args.max_step_kl else None
+        bounded = self.args.step_clip is not None or self.args.max_step_kl is not None
+        before = [p.detach().clone() for p in self.model.parameters()] if bounded else None
         self.optimizer.step()
         if before is not None:  # the trust region for fresh tokens (harness_trainer/stability.py)
             old = None if logp is None else logp.detach()
-            stats |= bound_step(list(self.model.parameters()), before, lambda: self._step_kl(tree, old),
-                                self.args.max_step_kl)
+            stats |= bound_step(list(self.model.parameters()), before, lambda: self._step_change(tree, old),
+                                self._within_trust_region)
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total}
 
-    def _step_kl(self, tree, old: torch.Tensor | None) -> float:
-        """KL(policy before the step || after it) on the step's own trained tokens, k3, over every rank."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+    def _step_change(self, tree, old: torch.Tensor | None) -> dict:
+        """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||
+        after), and the smallest and largest ratio p_after / p_before."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        extremes = torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r
         if tree is not None:
             with torch.no_grad():
-                diff = tree_logprobs(self.model, tree, self.args.temperature) - old
-                total += torch.stack([(torch.exp(diff) - 1 - diff).sum().double(),
-                                      torch.tensor(float(diff.numel()), dtype=torch.float64, device=self.device)])
-        all_reduce_sum(total, self.world_size)
-        return float(total[0] / total[1].clamp(min=1))
+                diff = (tree_logprobs(self.model, tree, self.args.temperature) - old).double()
+            sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
+            extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max()]))
+        all_reduce(sums, self.world_size)
+        all_reduce(extremes, self.world_size, op="max")
+        return {"kl": float(sums[0] / sums[1].clamp(min=1)), "ratio_min": math.exp(-float(extremes[0])),
+                "ratio_max": math.exp(float(extremes[1]))}
+
+    def _within_trust_region(self, change: dict) -> bool:
+        clip, kl = self.args.step_clip, self.args.max_step_kl
+        return (clip is None or 1 - clip <= change["ratio_min"] and change["ratio_max"] <= 1 + clip) \
+            and (kl is None or change["kl"] <= kl)
 
     # ---- weights back into vLLM ----------------------------------------------------------------------------
 

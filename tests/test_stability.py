@@ -91,10 +91,10 @@ def test_best_checkpoint_is_the_best_steps_model(tiny_model_dir, tmp_path):
 def test_step_kl_bound_halves_a_step_that_moves_the_policy_too_far(tiny_model_dir, tmp_path):
     """A fresh batch (behaviour = current policy): no ratio clip can bind, the step bound must."""
     groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
-    free = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=None)
+    free = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=None, step_clip=None)
     unbounded = free._train_on(groups())
     assert "step_scale" not in unbounded
-    bounded_trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=0.01)
+    bounded_trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=0.01, step_clip=None)
     before = {k: v.clone() for k, v in bounded_trainer.model.state_dict().items()}
     bounded = bounded_trainer._train_on(groups())
     assert bounded["step_kl_unbounded"] > 0.01 >= bounded["step_kl"] and bounded["step_scale"] < 1
@@ -102,3 +102,14 @@ def test_step_kl_bound_halves_a_step_that_moves_the_policy_too_far(tiny_model_di
     for name, value in bounded_trainer.model.state_dict().items():
         full = free.model.state_dict()[name] - before[name]
         assert torch.allclose(value, before[name] + bounded["step_scale"] * full, atol=1e-6), name
+
+
+def test_step_clip_bounds_every_tokens_ratio(tiny_model_dir, tmp_path):
+    """The per-token bound: a step whose mean KL is fine can still move one token's probability too far."""
+    groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
+    free = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=None)
+    unbounded = free._train_on(groups())
+    bounded = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=0.2)._train_on(groups())
+    assert bounded["step_ratio_max_unbounded"] > 1.2 or bounded["step_ratio_min_unbounded"] < 0.8
+    assert 0.8 <= bounded["step_ratio_min"] <= bounded["step_ratio_max"] <= 1.2 and bounded["step_scale"] < 1
+    assert "step_scale" not in unbounded
