@@ -50,6 +50,10 @@ class TrainRunConfig:
     warmup_ratio: float = _opt(0.0, "share of --max-steps over which the learning rate rises from 0")
     lr_scheduler_type: str = _opt("constant", "learning-rate schedule: constant, constant_with_warmup, linear, "
                                               "cosine, ... (transformers' names)")
+    step_clip: float | None = _opt(0.2, "trust region: a step that moves a trained token's probability by more "
+                                        "than a factor 1 +- this is halved until it does not (none: off)")
+    max_step_kl: float | None = _opt(0.01, "trust region: ... or that moves the step's batch by more mean KL "
+                                           "(none: off)")
     behaviour_clip: bool = _opt(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
                                       "to the policy that sampled it is past the clip range")
     save_best: bool = _opt(False, "keep best/ beside final/: the model after the step with the best training "
@@ -85,8 +89,12 @@ def parse_bool(text) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
+def parse_optional_float(text) -> float | None:
+    return None if text is None or str(text).strip().lower() in ("none", "off") else float(text)
+
+
 # field type (a string here) -> converter, for flags and config-file values
-NUMBER_TYPES = {"int": int, "float": float, "float | None": float, "bool": parse_bool}
+NUMBER_TYPES = {"int": int, "float": float, "float | None": parse_optional_float, "bool": parse_bool}
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -270,7 +278,8 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             max_completion_tokens=cfg.max_completion_tokens, weight_sync_steps=cfg.weight_sync_steps,
             save_steps=cfg.save_steps, seed=cfg.seed, resume_from_checkpoint=resume,
             groups_per_step=cfg.groups_per_step, warmup_ratio=cfg.warmup_ratio,
-            lr_scheduler_type=cfg.lr_scheduler_type, behaviour_clip=cfg.behaviour_clip, save_best=cfg.save_best)
+            lr_scheduler_type=cfg.lr_scheduler_type, behaviour_clip=cfg.behaviour_clip, save_best=cfg.save_best,
+            step_clip=cfg.step_clip, max_step_kl=cfg.max_step_kl)
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), factory, args, tasks, rollout_reward_fn=reward_fn,
                                           callbacks=[*(callbacks or []), reporter])
         reporter.start()

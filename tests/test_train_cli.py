@@ -101,9 +101,10 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
     assert cfg.temperature == 1.0 and cfg.output_dir == "runs/train"  # untouched defaults
     config.write_text("warmup_ratio: 0.1\nlr_scheduler_type: cosine\nsave_best: yes\n")
     cfg = train_config(build_parser().parse_args(["train", "--config", str(config), "--groups-per-step", "2",
-                                                  "--behaviour-clip", "false"]))
+                                                  "--behaviour-clip", "false", "--step-clip", "none"]))
     assert (cfg.warmup_ratio, cfg.lr_scheduler_type, cfg.save_best, cfg.groups_per_step, cfg.behaviour_clip) == \
         (0.1, "cosine", True, 2, False)
+    assert cfg.step_clip is None and cfg.max_step_kl == 0.01  # off by flag; the default kept
     config.write_text("max_step: 7\n")
     with pytest.raises(ConfigError, match="unknown option.*max_step.*max_steps"):
         train_config(build_parser().parse_args(["train", "--config", str(config)]))
