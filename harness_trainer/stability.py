@@ -39,15 +39,15 @@ import torch
 
 def bound_step(params: list[torch.Tensor], before: list[torch.Tensor], measure: Callable[[], dict],
                within: Callable[[dict], bool], min_scale: float = 1 / 64) -> dict:
-    """Shorten the step just taken (params now, before it: `before`) until within(measure())."""
-    delta = [p.detach() - b for p, b in zip(params, before)]
+    """Shorten the step just taken (params now, before it: `before`) until within(measure()). Halving in place,
+    p <- b + (p - b) / 2, needs no copy of the step beside the one of the weights before it."""
     scale = 1.0
     change = first = measure()
     while not within(change) and scale > min_scale:
         scale /= 2
         with torch.no_grad():
-            for p, b, d in zip(params, before, delta):
-                p.copy_(b + scale * d)
+            for p, b in zip(params, before):
+                p.sub_(b).mul_(0.5).add_(b)
         change = measure()
     return ({"step_scale": scale} | {f"step_{k}": v for k, v in change.items()}
             | {f"step_{k}_unbounded": v for k, v in first.items()})
