@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nThe embedded default, held-out toy tasks (pairs of word and file never seen together in training):")
     print(table(rows))
     print(spread(rows))
-    print(f"\nreward curve: {out / 'grpo' / 'reward_curve.png'}; everything else in {out}")
+    curves = [out / "grpo" / "reward_curve.png"] if len(args.seeds) == 1 else \
+        [out / f"grpo-seed{seed}" / "reward_curve.png" for seed in args.seeds]
+    print(f"\nreward curves: {', '.join(map(str, curves))}; everything else in {out}")
     return 0
 
 
