@@ -52,8 +52,8 @@ class TrainRunConfig:
                                               "cosine, ... (transformers' names)")
     step_clip: float | None = _opt(0.2, "trust region: a step that moves a trained token's probability by more "
                                         "than a factor 1 +- this is halved until it does not (none: off)")
-    max_step_kl: float | None = _opt(0.01, "trust region: ... or that moves the step's batch by more mean KL "
-                                           "(none: off)")
+    max_step_kl: float | None = _opt(0.01, "trust region: a step whose mean KL on its own batch is larger is "
+                                           "halved too (none: off)")
     behaviour_clip: bool = _opt(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
                                       "to the policy that sampled it is past the clip range")
     save_best: bool = _opt(False, "keep best/ beside final/: the model after the step with the best training "
@@ -78,6 +78,8 @@ class ConfigError(ValueError):
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainRunConfig)}
+
+
 def parse_bool(text) -> bool:
     if isinstance(text, bool):
         return text
