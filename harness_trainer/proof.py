@@ -140,7 +140,8 @@ def spread(rows: list[tuple[str, EvalSummary]]) -> str:
     gains = [100 * (s.wins / s.rollouts - sft.wins / sft.rollouts) for name, s in rows if name.startswith("SFT +")]
     if not gains:
         return ""
-    return (f"\nGRPO over SFT: mean {sum(gains) / len(gains):+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f} "
+    mean = sum(gains) / len(gains)
+    return (f"\nGRPO over SFT: mean {mean:+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f} "
             f"({len(gains)} run{'s' if len(gains) > 1 else ''})")
 
 

@@ -109,7 +109,8 @@ def test_step_clip_bounds_every_tokens_ratio(tiny_model_dir, tmp_path):
     groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
     free = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=None)
     unbounded = free._train_on(groups())
-    bounded = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=0.2)._train_on(groups())
+    clipped = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=0.2)
+    bounded = clipped._train_on(groups())
     assert bounded["step_ratio_max_unbounded"] > 1.2 or bounded["step_ratio_min_unbounded"] < 0.8
     assert 0.8 <= bounded["step_ratio_min"] <= bounded["step_ratio_max"] <= 1.2 and bounded["step_scale"] < 1
     assert "step_scale" not in unbounded

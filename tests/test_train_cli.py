@@ -152,7 +152,8 @@ def test_live_display_shows_stability_and_warnings():
 
     progress = TrainProgress(16)
     progress.on_step({"step": 9, "version": 10, "trained_tokens": 622, "reward_mean": 0.375, "entropy": 0.24,
-                      "behaviour_kl_k3": 0.0123, "behaviour_clip_frac": 0.05, "completion_tokens_mean": 41.5, "step_scale": 0.25,
+                      "behaviour_kl_k3": 0.0123, "behaviour_clip_frac": 0.05, "completion_tokens_mean": 41.5,
+                      "step_scale": 0.25,
                       "warnings": ["entropy jumped to 0.24 (median of the last 5 steps: 0.012)"]})
     console = Console(width=200, record=True)
     console.print(progress)
