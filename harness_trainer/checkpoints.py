@@ -3,7 +3,8 @@
     checkpoint-N/   model + tokenizer (vLLM serves it), trainer_state.pt (optimizer, RNGs),
                     trainer_state.json (step, policy version, dataset cursor, best/'s bookkeeping)
     best/           with save_best: the model after the step with the best training reward, averaged over
-                    the last `window` steps with a reward (one group's mean is too noisy to rank by)
+                    the last `window` steps with a reward (one group's mean is too noisy to rank by); written
+                    once `window` steps have a reward
 
 Every folder is written beside its final name and renamed over it: a crash mid-save leaves the old one whole.
 """
@@ -50,7 +51,8 @@ class BestModel:
             return False
         self.recent = (self.recent + [reward])[-self.window:]
         value = sum(self.recent) / len(self.recent)
-        if self.value is not None and value <= self.value:
+        if len(self.recent) < self.window or (self.value is not None and value <= self.value):
+            # a part window is one lucky group: a first step scoring 1.0 would stay best for the whole run
             return False
         self.value = value
         tmp = self.out / ".best.tmp"
