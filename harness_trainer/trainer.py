@@ -398,10 +398,11 @@ class HarnessAsyncGRPOTrainer:
                         metrics["warnings"] = warnings
                         for warning in warnings:
                             log.warning("step %d: %s", self.step, warning)
-                    if self.step % args.save_steps == 0 or self.step == args.max_steps:
-                        self._save()  # before the metrics line: a logged step is a saved step
+                    # best/ before the checkpoint, so the checkpoint holds best/'s state after this step
                     if args.save_best and self.best.update(self.step, metrics.get("reward_mean"), self.save_model):
                         metrics["best"] = True
+                    if self.step % args.save_steps == 0 or self.step == args.max_steps:
+                        self._save()  # before the metrics line: a logged step is a saved step
                     self.history.append(metrics)
                     with (self.out / "metrics.jsonl").open("a") as f:
                         f.write(json.dumps(metrics) + "\n")
