@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+from harness_trainer.prefixes import longest_prefix_parents
 from harness_trainer.proxy.capture import SamplingPolicy
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -72,18 +73,9 @@ class Session:
 
 def parents(calls: list[Call]) -> dict[int, int | None]:
     """index -> parent index, by longest exact prefix of prompt+completion (independent of order)."""
-    result: dict[int, int | None] = {}
-    for call in calls:
-        best, best_len = None, -1
-        for other in calls:
-            if other is call or not other.prompt_token_ids:
-                continue
-            full = other.full
-            if len(full) <= len(call.prompt_token_ids) and len(full) > best_len and \
-                    call.prompt_token_ids[:len(full)] == full:
-                best, best_len = other.index, len(full)
-        result[call.index] = best
-    return result
+    found = longest_prefix_parents([c.prompt_token_ids for c in calls], [c.full for c in calls],
+                                   eligible=[bool(c.prompt_token_ids) for c in calls])
+    return {call.index: None if j is None else calls[j].index for call, j in zip(calls, found)}
 
 
 def roles(calls: list[Call]) -> dict[int, str]:

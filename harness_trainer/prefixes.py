@@ -1,0 +1,59 @@
+"""Parent of each model call: the call whose prompt+completion is the longest exact prefix of its prompt.
+
+Comparing every pair of calls token by token is quadratic in turns times tokens: 200 turns of a 100k-token
+history is billions of comparisons. Instead every sequence gets chained hashes of its whole 64-token chunks
+(C-speed tuple hashing, one Python step per chunk), so any prefix of length l is named by
+
+    (l, hash of its first l // 64 chunks, the tuple of its last l % 64 tokens)
+
+and "is sequence c a prefix of prompt p" is one dict look-up. Each call tries the distinct candidate lengths
+that fit its prompt, longest first; a hit is confirmed token by token once (hashes can collide). Cost: linear
+in the tokens, plus (turns x distinct lengths) look-ups. Torch- and numpy-free: the proxy uses it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+CHUNK = 64
+
+
+def _chunk_hashes(seq: Sequence[int]) -> list[int]:
+    """hashes[j] names seq[:j * CHUNK]."""
+    hashes, h = [0], 0
+    for start in range(0, len(seq) - CHUNK + 1, CHUNK):
+        h = hash((h, tuple(seq[start:start + CHUNK])))
+        hashes.append(h)
+    return hashes
+
+
+def _key(seq: Sequence[int], hashes: list[int], length: int) -> tuple:
+    whole = length // CHUNK
+    return length, hashes[whole], tuple(seq[whole * CHUNK:length])
+
+
+def longest_prefix_parents(prompts: list[Sequence[int]], fulls: list[Sequence[int]],
+                           eligible: list[bool] | None = None) -> list[int | None]:
+    """For each i, the index j != i whose fulls[j] is the longest exact prefix of prompts[i] (None if none);
+    among identical fulls the earliest. `eligible[j]` False keeps j from being anyone's parent."""
+    by_key: dict[tuple, int] = {}
+    for j, full in enumerate(fulls):
+        if eligible is None or eligible[j]:
+            by_key.setdefault(_key(full, _chunk_hashes(full), len(full)), j)
+    lengths = sorted({key[0] for key in by_key}, reverse=True)
+    parents: list[int | None] = []
+    for i, prompt in enumerate(prompts):
+        hashes, found = _chunk_hashes(prompt), None
+        for length in lengths:
+            if length > len(prompt):
+                continue
+            key = _key(prompt, hashes, length)
+            j = by_key.get(key)
+            if j is not None and j == i:  # a call is never its own parent: look for an identical other
+                j = next((k for k, f in enumerate(fulls) if k != i and (eligible is None or eligible[k])
+                          and len(f) == length and list(f) == list(prompt[:length])), None)
+            if j is not None and list(fulls[j]) == list(prompt[:length]):
+                found = j
+                break
+        parents.append(found)
+    return parents
