@@ -9,12 +9,13 @@
 3. Prefix tree. All chains of a step go into one token trie: context tokens merge wherever their whole
    prefix is the same (across forks of a rollout and across the G rollouts of a group, which share system
    prompt and task); sampled tokens merge only with themselves (same rollout, turn, offset). The trie is fed
-   to the model as one flat sequence with a tree attention mask (a token sees exactly its ancestors) and
-   position ids = depth, which gives every token the same hidden state it has in its own chain:
+   to the model in depth-first order with tree attention (a token sees exactly its ancestors: j <= i < end[j],
+   tree_attention.py) and position ids = depth, which gives every token the hidden state it has in its chain:
 
         logp(node) = log_softmax(logits[parent(node)])[token(node)]
 
    so the loss and its gradients equal the one-row-per-chain computation, at the cost of unique tokens.
+   The forward and backward over it, in micro-batches of bounded memory: tree_forward.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from harness_trainer.prefixes import longest_prefix_parents
 
 if TYPE_CHECKING:  # only the type: rows needs torch alone (the GPU check runs where openenv is not installed)
     from openenv.core.harness.training import TrainingTrace
@@ -39,17 +42,9 @@ class Chain:
 
 
 def _parents(turns) -> dict[str, str | None]:
-    full = {t.node_id: t.prompt_token_ids + t.completion_token_ids for t in turns}
-    parents = {}
-    for t in turns:
-        best, best_len = None, -1
-        for other in turns:
-            seq = full[other.node_id]
-            if other is not t and len(seq) <= len(t.prompt_token_ids) and len(seq) > best_len \
-                    and t.prompt_token_ids[:len(seq)] == seq:
-                best, best_len = other.node_id, len(seq)
-        parents[t.node_id] = best
-    return parents
+    found = longest_prefix_parents([t.prompt_token_ids for t in turns],
+                                   [t.prompt_token_ids + t.completion_token_ids for t in turns])
+    return {t.node_id: None if j is None else turns[j].node_id for t, j in zip(turns, found)}
 
 
 def chains_from_trace(trace: TrainingTrace, rollout: int, seen: set | None = None) -> list[Chain]:
@@ -92,23 +87,11 @@ class PackedTree:
     behaviour: torch.Tensor  # [N] behaviour logprobs (0 where not trained)
     rollout: torch.Tensor  # [N] rollout index of trained tokens (-1 otherwise)
     version: torch.Tensor  # [N] policy version that sampled the token (-1 for context)
+    end: torch.Tensor  # [N] end of the node's subtree: j is an ancestor of i (or i) iff j <= i < end[j]
     chain_tokens: int = 0  # tokens the same chains would feed as separate rows
 
     def __len__(self) -> int:
         return int(self.ids.numel())
-
-    def attention_mask(self, dtype=torch.float32) -> torch.Tensor:
-        """[1, 1, N, N] additive mask: 0 where a token may attend (itself and its ancestors), -inf elsewhere."""
-        n = len(self)
-        allowed = torch.zeros(n, n, dtype=torch.bool)
-        parent = self.parent.tolist()
-        for i in range(n):  # parents come first, so a node's row is its parent's row plus itself
-            if parent[i] >= 0:
-                allowed[i] = allowed[parent[i]]
-            allowed[i, i] = True
-        mask = torch.zeros(n, n, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[None, None]
 
 
 @dataclass
@@ -142,26 +125,13 @@ def pack(chains: list[Chain]) -> PackedTree:
         ids.append(node.token), parent.append(par), depth.append(d), trained.append(node.trained)
         behaviour.append(node.behaviour), rollout.append(node.rollout), version.append(node.version)
         stack.extend((child, node.index, d + 1) for child in reversed(list(node.children.values())))
+    end = list(range(1, len(ids) + 1))
+    for i in range(len(ids) - 1, 0, -1):  # children after parents: one backward sweep closes every subtree
+        if parent[i] >= 0 and end[i] > end[parent[i]]:
+            end[parent[i]] = end[i]
     return PackedTree(torch.tensor(ids), torch.tensor(parent), torch.tensor(depth), torch.tensor(trained),
                       torch.tensor(behaviour, dtype=torch.float32), torch.tensor(rollout), torch.tensor(version),
-                      chain_tokens=sum(len(c.ids) for c in chains))
-
-
-def tree_logprobs(model, tree: PackedTree, temperature: float = 1.0, entropy: bool = False):
-    """Logprob under `model` of every trained token of the tree, in tree order ([T], with gradients);
-    with entropy=True also the policy's entropy at those positions ([T], no gradient)."""
-    weight = next(model.parameters())
-    ids = tree.ids.to(weight.device)
-    logits = model(input_ids=ids[None], position_ids=tree.depth[None].to(weight.device),
-                   attention_mask=tree.attention_mask(weight.dtype).to(weight.device)).logits[0]
-    targets = torch.nonzero(tree.trained).squeeze(-1).to(weight.device)
-    context = tree.parent.to(weight.device)[targets]
-    logp = torch.log_softmax(logits[context].float() / temperature, dim=-1)
-    chosen = logp.gather(-1, ids[targets][:, None]).squeeze(-1)
-    if not entropy:
-        return chosen
-    with torch.no_grad():
-        return chosen, -(logp.exp() * logp).sum(-1)
+                      torch.tensor(end), chain_tokens=sum(len(c.ids) for c in chains))
 
 
 def chain_logprobs(model, chain: Chain, temperature: float = 1.0) -> torch.Tensor:

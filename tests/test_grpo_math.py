@@ -10,7 +10,8 @@ import torch
 from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
-from harness_trainer.rows import chain_logprobs, chains_from_trace, pack, tree_logprobs
+from harness_trainer.rows import chain_logprobs, chains_from_trace, pack
+from harness_trainer.tree_forward import tree_logprobs
 
 
 def test_group_advantages_skip_none_and_flag_zero_variance():
