@@ -100,7 +100,7 @@ def load_checkpoint(trainer, path: Path) -> None:
         path = found[-1]
     state = json.loads((path / "trainer_state.json").read_text())
     blob = torch.load(path / "trainer_state.pt", weights_only=False)
-    trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+    trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=trainer.dtype).state_dict())
     trainer.optimizer.load_state_dict(blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
     trainer.rng.setstate(blob["rng"])

@@ -56,6 +56,11 @@ class TrainRunConfig:
                                            "halved too (none: off)")
     behaviour_clip: bool = _opt(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
                                       "to the policy that sampled it is past the clip range")
+    max_tokens_per_microbatch: int | None = _opt(16384, "tokens of the packed prefix tree per forward/backward: "
+                                                        "bounds a step's memory (none: the whole tree at once)")
+    dtype: str = _opt("float32", "weights' dtype in the trainer: float32, or bfloat16 / float16 on GPU "
+                                 "(logprobs are float32 either way)")
+    gradient_checkpointing: bool = _opt(False, "recompute each layer in the backward: less memory, more time")
     save_best: bool = _opt(False, "keep best/ beside final/: the model after the step with the best training "
                                   "reward (mean over 4 steps)")
     max_completion_tokens: int = _opt(256, "cap on tokens per model call")
@@ -95,8 +100,13 @@ def parse_optional_float(text) -> float | None:
     return None if text is None or str(text).strip().lower() in ("none", "off") else float(text)
 
 
+def parse_optional_int(text) -> int | None:
+    return None if text is None or str(text).strip().lower() in ("none", "off") else int(text)
+
+
 # field type (a string here) -> converter, for flags and config-file values
-NUMBER_TYPES = {"int": int, "float": float, "float | None": parse_optional_float, "bool": parse_bool}
+NUMBER_TYPES = {"int": int, "float": float, "float | None": parse_optional_float, "int | None": parse_optional_int,
+                "bool": parse_bool}
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -139,6 +149,11 @@ def resolve_config(file_values: dict, flag_values: dict) -> TrainRunConfig:
     if cfg.lr_scheduler_type == "constant" and cfg.warmup_ratio:
         raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
                           "constant_with_warmup (or linear, cosine)")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {cfg.dtype}: choose float32, bfloat16 or float16")
+    if cfg.max_tokens_per_microbatch is not None and cfg.max_tokens_per_microbatch < 1:
+        raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
+                          f"got {cfg.max_tokens_per_microbatch!r}")
     for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
                  "groups_per_step"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
@@ -281,7 +296,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             save_steps=cfg.save_steps, seed=cfg.seed, resume_from_checkpoint=resume,
             groups_per_step=cfg.groups_per_step, warmup_ratio=cfg.warmup_ratio,
             lr_scheduler_type=cfg.lr_scheduler_type, behaviour_clip=cfg.behaviour_clip, save_best=cfg.save_best,
-            step_clip=cfg.step_clip, max_step_kl=cfg.max_step_kl)
+            step_clip=cfg.step_clip, max_step_kl=cfg.max_step_kl,
+            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch, torch_dtype=cfg.dtype,
+            gradient_checkpointing=cfg.gradient_checkpointing)
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), factory, args, tasks, rollout_reward_fn=reward_fn,
                                           callbacks=[*(callbacks or []), reporter])
         reporter.start()

@@ -5,6 +5,8 @@
         take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
         versions old (groups still running that can no longer finish in time are cancelled after each sync)
         rewards -> advantages per group -> chains -> prefix-tree packing -> loss -> one optimizer step
+        (the tree in micro-batches of max_tokens_per_microbatch tokens, memory linear in its tokens:
+         tree_forward.py; the proximal logprobs are the training forward's own, detached)
         (learning rate from the schedule: warmup_ratio, lr_scheduler_type, as in TRL)
         trust region: stale tokens past the clip range of their ratio to the behaviour policy get no gradient;
                       a step that moves a trained token's probability by more than a factor 1 +- step_clip,
@@ -48,9 +50,11 @@ from harness_trainer.engine import teacher_forced_logprobs
 from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
 from harness_trainer.rewards import resolve_reward_fn, score
-from harness_trainer.rows import chains_from_trace, pack, tree_logprobs
+from harness_trainer.rows import chains_from_trace, pack
 from harness_trainer.stability import StabilityMonitor, bound_step
 from harness_trainer.traces import TrainingTrace
+from harness_trainer.tree_attention import use_tree_attention
+from harness_trainer.tree_forward import plan_ranges, tree_backward, tree_logprobs
 from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights
 
 log = logging.getLogger("harness_trainer")
@@ -71,7 +75,7 @@ class AsyncGRPOConfig:
     weight_sync_steps: int = 1
     weight_sync_backend: str = "reload"  # reload (any vLLM, CPU included) or nccl (GPU)
     weight_sync_timeout_s: float = 120.0
-    probe_tolerance: float = 1e-3
+    probe_tolerance: float | None = None  # max |logprob gap| vLLM vs trainer; None: 1e-3 (float32), 5e-2 (16-bit)
     logging_steps: int = 1
     save_steps: int = 5
     save_total_limit: int = 2
@@ -84,6 +88,9 @@ class AsyncGRPOConfig:
     behaviour_clip: bool = True  # decoupled: no gradient past the clip range of the ratio to the behaviour policy
     step_clip: float | None = 0.2  # trust region for fresh data: no trained token's probability moves by more
     max_step_kl: float | None = 0.01  # than a factor 1 +- step_clip in one step, nor the batch by more mean KL
+    max_tokens_per_microbatch: int | None = 16384  # tokens of the packed tree per forward/backward (None: all)
+    torch_dtype: str = "float32"  # or bfloat16 / float16 (GPU); logprob maths stays float32
+    gradient_checkpointing: bool = False  # recompute each layer in the backward: less memory, ~1/3 more time
     groups_per_step: int = 1  # finished groups (tasks) per optimizer step, each with its own advantages
     warmup_ratio: float = 0.0  # share of max_steps over which the learning rate rises from 0 (TRL's name)
     lr_scheduler_type: str = "constant"  # transformers' names: constant, constant_with_warmup, linear, cosine, ...
@@ -116,8 +123,12 @@ class HarnessAsyncGRPOTrainer:
             raise NotImplementedError("the nccl weight-sync backend is not built yet; use weight_sync_backend='reload', "
                                       "which works on GPU too")
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) if self.model_dir else model
-        self.model.config._attn_implementation = "eager"  # the tree attention mask is a custom 4D mask
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_dtype(args.torch_dtype)) if self.model_dir \
+            else model
+        self.dtype = next(self.model.parameters()).dtype
+        use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
+        if args.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.rank, self.world_size = init_distributed()
         # One device per rank: the rank's GPU where there is one (the engine holds its own), else the CPU.
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -241,21 +252,26 @@ class HarnessAsyncGRPOTrainer:
         self.optimizer.zero_grad()
         loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
         if chains and (packed := pack(chains)).trained.any():
-            tree = packed
+            tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
             adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
             behaviour = tree.behaviour[tree.trained].to(self.device)
-            proximal = reference = None
-            with torch.no_grad():
-                if self.loss_cfg.mode == "decoupled":
-                    proximal = tree_logprobs(self.model, tree, self.args.temperature)
-                if self.ref_model is not None:
-                    reference = tree_logprobs(self.ref_model, tree, self.args.temperature)
-            logp, entropy = tree_logprobs(self.model, tree, self.args.temperature, entropy=True)
-            loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=proximal,
-                                      reference=reference)
-            loss.backward()
+            reference = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    reference = tree_logprobs(self.ref_model, tree, temperature, max_tokens=budget)
+
+            def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                # One update per batch: the proximal policy is the model as it is now, so its logprobs are
+                # this forward's own, detached (no separate forward for them).
+                return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
+                                   proximal=logp_part.detach(),
+                                   reference=None if reference is None else reference[index])[0]
+
+            logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
+            loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp, reference=reference)
             stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
-                      "entropy_max": float(entropy.max())}
+                      "entropy_max": float(entropy.max()),
+                      "microbatches": len(plan_ranges(tree, budget))}
         if self.world_size > 1:
             loss = all_reduce_gradients(self.model, loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
@@ -278,7 +294,8 @@ class HarnessAsyncGRPOTrainer:
         extremes = torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r
         if tree is not None:
             with torch.no_grad():
-                diff = (tree_logprobs(self.model, tree, self.args.temperature) - old).double()
+                diff = (tree_logprobs(self.model, tree, self.args.temperature,
+                                      max_tokens=self.args.max_tokens_per_microbatch) - old).double()
             sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
             extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max()]))
         all_reduce(sums, self.world_size)
@@ -322,9 +339,12 @@ class HarnessAsyncGRPOTrainer:
             logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].cpu()
             ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
         gap = float((served.double() - ours).abs().max())
-        if gap > self.args.probe_tolerance:
+        tolerance = self.args.probe_tolerance
+        if tolerance is None:  # what "the same weights" can mean at this precision
+            tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if gap > tolerance:
             raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
-                                  f"by {gap:.2e} (> {self.args.probe_tolerance}): the engine did not take the weights")
+                                  f"by {gap:.2e} (> {tolerance}): the engine did not take the weights")
         self.last_probe_gap = gap
 
     # ---- checkpoints (harness_trainer/checkpoints.py) ------------------------------------------------------
@@ -452,6 +472,13 @@ def _schedule(optimizer, args: AsyncGRPOConfig):
                          "'constant_with_warmup' (or linear, cosine, ...) instead of 'constant'")
     factor = scheduler.lr_lambdas[0]
     return lambda step: args.learning_rate * factor(step)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"torch_dtype '{name}': choose one of {', '.join(dtypes)}")
+    return dtypes[name]
 
 
 def _mean(values: list[float]) -> float | None:

@@ -105,6 +105,10 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
     assert (cfg.warmup_ratio, cfg.lr_scheduler_type, cfg.save_best, cfg.groups_per_step, cfg.behaviour_clip) == \
         (0.1, "cosine", True, 2, False)
     assert cfg.step_clip is None and cfg.max_step_kl == 0.01  # off by flag; the default kept
+    assert (cfg.max_tokens_per_microbatch, cfg.dtype, cfg.gradient_checkpointing) == (16384, "float32", False)
+    cfg = train_config(build_parser().parse_args(["train", "--max-tokens-per-microbatch", "none", "--dtype",
+                                                  "bfloat16", "--gradient-checkpointing", "true"]))
+    assert (cfg.max_tokens_per_microbatch, cfg.dtype, cfg.gradient_checkpointing) == (None, "bfloat16", True)
     config.write_text("max_step: 7\n")
     with pytest.raises(ConfigError, match="unknown option.*max_step.*max_steps"):
         train_config(build_parser().parse_args(["train", "--config", str(config)]))
@@ -131,6 +135,8 @@ def _occupied_port():
     (["--lr-scheduler-type", "wavy"], "--lr-scheduler-type wavy: choose one of linear, cosine"),
     (["--warmup-ratio", "0.1"], "--warmup-ratio needs a schedule with a warm-up"),
     (["--groups-per-step", "0"], "--groups-per-step must be a positive integer"),
+    (["--dtype", "float64"], "--dtype float64: choose float32, bfloat16 or float16"),
+    (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch must be a positive integer or none"),
 ])
 def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("E2B_API_KEY", raising=False)
