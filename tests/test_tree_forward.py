@@ -182,3 +182,30 @@ def test_longest_prefix_parents_equal_the_all_pairs_search():
                     best, best_len = j, len(f)
             expected.append(best)
         assert longest_prefix_parents(prompts, fulls) == expected
+
+
+@pytest.mark.slow
+def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir, tmp_path):
+    """opencode, unmodified, driven by the oracle through the 26 turns of builtin:logs (24 files read one per
+    turn): G = 8 real captures past 30k tokens each, trained one step on CPU by the trainer's own step."""
+    from harness_trainer.evaluate import EvalConfig, evaluate
+    from harness_trainer.traces import TrainingTrace as Trace
+    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    summary, records = evaluate(EvalConfig(
+        harness="opencode", dataset="builtin:logs", policy="oracle", n=8, concurrency=8, vllm_url=engine.url,
+        max_tokens=256, oracle_mistake_rate=0.5, output_dir=str(tmp_path / "eval")))
+    assert len(records) == 8 and 0 < summary.wins < 8, summary  # half slip: the group has a gradient
+    per_turn = 0  # tokens one row per turn would feed (TRL's scheme)
+    for record in records:
+        trace = Trace.model_validate(record.training_trace)
+        per_turn += sum(len(t.prompt_token_ids) + len(t.completion_token_ids) for t in trace.turns)
+        assert len(trace.turns) >= 20
+        assert max(len(t.prompt_token_ids) + len(t.completion_token_ids) for t in trace.turns) > 30_000
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda policy: None, AsyncGRPOConfig(
+        output_dir=str(tmp_path / "train"), num_generations=8, max_tokens_per_microbatch=16_384), ["unused"])
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer._train_on([records])
+    assert metrics["trained_tokens"] > 0 and metrics["microbatches"] > 1
+    assert metrics["tree_tokens"] < metrics["row_tokens"] and 10 * metrics["tree_tokens"] < per_turn
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

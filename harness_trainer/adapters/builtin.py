@@ -5,6 +5,9 @@
            in training).
   bugfix   small real Python bug fixes (off-by-one, wrong operator, missing case, ...) with test scripts,
            for real models.
+  logs     one long task: read 24 log files, then count their ERROR lines into a file. Its solution runs one
+           command per turn (`oracle = "per-line"`), so the oracle drives an agent through 26 turns whose
+           tool outputs grow the context past 30k tokens: traces at the size real agents produce.
 """
 
 from __future__ import annotations
@@ -92,11 +95,41 @@ def _bugfix(root: Path) -> None:
         _write(task / "solution" / "solve.sh", f"#!/bin/bash\nsed -i \"{sed}\" {filename}\n", 0o755)
 
 
+LOG_FILES, LOG_LINES = 24, 27
+LOG_TEST = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(tr -d ' \\n' < /app/count.txt 2>/dev/null)" = "{count}" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def _logs(root: Path) -> None:
+    task, errors, steps = root / "logs-errors", 0, []
+    levels = ["INFO", "INFO", "DEBUG", "WARN", "INFO", "ERROR", "INFO"]
+    for f in range(1, LOG_FILES + 1):
+        lines = []
+        for k in range(LOG_LINES):
+            level = levels[(f * 7 + k * 3) % len(levels)]
+            errors += level == "ERROR"
+            lines.append(f"2026-11-{f:02d} 10:{k:02d}:{(f * k) % 60:02d} {level} worker-{(f + k) % 5} "
+                         f"request {f * 100 + k} took {(f * 37 + k * 11) % 900} ms")
+        _write(task / "environment" / "app" / "logs" / f"part-{f:02d}.log", "\n".join(lines) + "\n")
+        steps.append(f"cat logs/part-{f:02d}.log")
+    steps.append("grep -h ERROR logs/*.log | wc -l > count.txt")
+    _write(task / "instruction.md", "Read every file logs/part-01.log to logs/part-24.log, one at a time, then "
+                                    "write the number of lines that contain ERROR into count.txt.\n")
+    _write(task / "task.toml", '[agent]\ntimeout_sec = 900\n\n[verifier]\ntimeout_sec = 30\n\n'
+                               '[metadata]\nset = "logs"\noracle = "per-line"\n')
+    _write(task / "tests" / "test.sh", LOG_TEST.format(count=errors), 0o755)
+    _write(task / "solution" / "solve.sh", "#!/bin/bash\n" + "\n".join(steps) + "\n", 0o755)
+
+
 SETS = {
     "toy": lambda root: (_toy(root, TOY_TRAIN, "train"), _toy(root, TOY_HELDOUT, "heldout")),
     "toy-train": lambda root: _toy(root, TOY_TRAIN, "train"),
     "toy-heldout": lambda root: _toy(root, TOY_HELDOUT, "heldout"),
     "bugfix": _bugfix,
+    "logs": _logs,
 }
 
 

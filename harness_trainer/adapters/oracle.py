@@ -34,10 +34,12 @@ def plausible_mistake(command: str) -> str:
     return f"{program} {rest[:1].upper()}{rest[1:]}" if rest else command
 
 
-def solution_command(task: Task) -> str:
+def solution_steps(task: Task) -> list[str]:
+    """The commands the oracle runs, one per model call: the whole solution at once, or with the task's
+    metadata `oracle = "per-line"` one line per call (long multi-turn rollouts)."""
     lines = [line for line in task.solution.read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
-    return "\n".join(lines)
+    return lines if task.metadata.get("oracle") == "per-line" else ["\n".join(lines)]
 
 
 class OracleUpstream:
@@ -49,7 +51,7 @@ class OracleUpstream:
         self.mistake_rate = mistake_rate
         self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
         self._lock = threading.Lock()
-        self.solutions = {t.instruction: solution_command(t) for t in tasks if t.solution}
+        self.solutions = {t.instruction: solution_steps(t) for t in tasks if t.solution}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(timeout=120)
@@ -57,12 +59,12 @@ class OracleUpstream:
 
     # ---- what to say --------------------------------------------------------------------------------------
 
-    def _task_command(self, messages: list[dict]) -> str | None:
+    def _task_steps(self, messages: list[dict]) -> list[str] | None:
         text = "\n".join(m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
                          for m in messages if m.get("role") in ("user", "system"))
-        for instruction, command in self.solutions.items():
+        for instruction, steps in self.solutions.items():
             if instruction in text:
-                return command
+                return steps
         return None
 
     def _slips(self, command: str) -> bool:
@@ -82,15 +84,20 @@ class OracleUpstream:
         names = {(t.get("function") or {}).get("name") for t in tools}
         if "bash" not in names:
             return {"role": "assistant", "content": "Solve the task"}  # a title or summary call
-        command = self._task_command(messages)
+        steps = self._task_steps(messages)
         ran = [json.loads(c["function"]["arguments"]).get("command") for m in messages if m.get("role") == "assistant"
                for c in m.get("tool_calls") or [] if c.get("function", {}).get("arguments")]
-        if command is None:
+        if steps is None:
             return {"role": "assistant", "content": "I do not know this task."}
-        if command in ran or plausible_mistake(command) in ran:
+        todo = [s for s in steps if s not in ran and plausible_mistake(s) not in ran]
+        if SUBMIT in ran:  # an agent that goes on after the submit command (opencode) is told it is done
+            return {"role": "assistant", "content": "Done."}
+        if not todo:
             step = SUBMIT
+        elif todo[0] == steps[-1]:  # the step that makes the result: where the slip happens
+            step = plausible_mistake(todo[0]) if self._slips(todo[0]) else todo[0]
         else:
-            step = plausible_mistake(command) if self._slips(command) else command
+            step = todo[0]
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
             "function": {"name": "bash", "arguments": json.dumps({"command": step})}}]}
