@@ -5,7 +5,7 @@
 For each model config (randomly initialised: no hub here) and dtype it builds one GRPO group of G multi-turn
 rollouts that share a system prompt and task, then computes the policy loss and its gradients both ways:
 
-    tree   rows.pack -> rows.tree_logprobs  (one flat sequence, tree attention mask, position ids = depth)
+    tree   rows.pack -> tree_forward.tree_logprobs  (the tree in depth-first order, tree attention, positions = depth)
     naive  rows.chain_logprobs per chain     (one causal row per chain)
 
 and checks they agree (fp32: to rounding; bf16: cosine of the gradients), then takes one AdamW step on the
@@ -25,7 +25,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from harness_trainer.grpo import LossConfig, policy_loss
-from harness_trainer.rows import chain_logprobs, chains_from_trace, pack, tree_logprobs
+from harness_trainer.rows import chain_logprobs, chains_from_trace, pack
+from harness_trainer.tree_forward import tree_logprobs
 
 CONFIGS = {  # the embedded default's shape, and Qwen2.5-0.5B's
     "tiny": dict(vocab_size=4160, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

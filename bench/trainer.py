@@ -19,7 +19,8 @@ import time
 import torch
 
 from harness_trainer.grpo import LossConfig, policy_loss
-from harness_trainer.rows import chains_from_trace, pack, tree_logprobs
+from harness_trainer.rows import chains_from_trace, pack
+from harness_trainer.tree_forward import tree_logprobs
 from harness_trainer.traces import read_traces
 
 
