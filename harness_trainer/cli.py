@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --policy oracle: share of each task's attempts made with a plausible slip (redirection "
                          "forgotten, else first argument capitalised), exact per task (default: 0)")
     ev.add_argument("--dataset", default="builtin:toy-heldout",
-                    help="folder of Harbor tasks, builtin:toy|toy-train|toy-heldout|bugfix, hf:OWNER/NAME")
+                    help="folder of Harbor tasks, builtin:toy|toy-train|toy-heldout|bugfix|logs, hf:OWNER/NAME")
     ev.add_argument("--model", default=None, help="model folder to serve (default: the embedded tiny model)")
     ev.add_argument("--vllm-url", default=None, help="attach to a running vLLM instead of launching one")
     ev.add_argument("--policy", default="model", choices=["model", "oracle"],
