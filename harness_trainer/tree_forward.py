@@ -133,12 +133,22 @@ class _Cache:
         self.k[layer][:, :, slots.to(k.device)] = k.detach()
         self.v[layer][:, :, slots.to(k.device)] = v.detach()
 
-    def cotangents(self, layer: int, slots: torch.Tensor):
+    def _cotangent_buffers(self, layer: int):
         if layer not in self.dk:
             self.dk[layer] = torch.zeros_like(self.k[layer], dtype=torch.float32)
             self.dv[layer] = torch.zeros_like(self.v[layer], dtype=torch.float32)
-        s = slots.to(self.dk[layer].device)
-        return self.dk[layer][:, :, s], self.dv[layer][:, :, s]
+        return self.dk[layer], self.dv[layer]
+
+    def cotangents(self, layer: int, slots: torch.Tensor):
+        dk, dv = self._cotangent_buffers(layer)
+        s = slots.to(dk.device)
+        return dk[:, :, s], dv[:, :, s]
+
+    def add_cotangents(self, layer: int, slots: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        bk, bv = self._cotangent_buffers(layer)
+        s = slots.to(bk.device)
+        bk[:, :, s] += dk.float()
+        bv[:, :, s] += dv.float()
 
 
 class _RangeKV:
@@ -238,13 +248,9 @@ def tree_backward(model, tree: PackedTree, loss_fn: Callable[[torch.Tensor, torc
         if outputs:
             torch.autograd.backward(outputs, grads)
         if kv is not None:
-            for layer, (k, v) in kv.leaves.items():
-                slots = cache.slot[r.path].to(device)
+            for layer, (k, v) in kv.leaves.items():  # the gradient at the context goes back to its producers
                 if k.grad is not None:
-                    cache.dk[layer] = cache.dk.get(layer, torch.zeros_like(cache.k[layer], dtype=torch.float32))
-                    cache.dv[layer] = cache.dv.get(layer, torch.zeros_like(cache.v[layer], dtype=torch.float32))
-                    cache.dk[layer][:, :, slots] += k.grad.float()
-                    cache.dv[layer][:, :, slots] += v.grad.float()
+                    cache.add_cotangents(layer, cache.slot[r.path], k.grad, v.grad)
     return logp, ent
 
 
