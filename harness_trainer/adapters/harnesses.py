@@ -209,8 +209,8 @@ class CommandHarness:
 
 
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:
-    if config and name != "mini-swe-agent":
-        raise AdapterError(f"--agent-config is read by the mini-swe-agent adapter only, not by {name}")
+    if config and name not in ("mini-swe-agent", "claude-code"):
+        raise AdapterError(f"--agent-config is read by the mini-swe-agent and claude-code adapters, not by {name}")
     if name == "mini-swe-agent":
         return MiniSweAgent(config)
     if name == "opencode":
@@ -219,7 +219,11 @@ def make_harness(name: str, command: str | None = None, config: str | None = Non
         if not command:
             raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
         return CommandHarness(command)
-    if name in ("claude-code", "codex"):
-        raise AdapterError(f"the {name} adapter is not written yet: the proxy already speaks its dialect; "
+    if name == "claude-code":
+        from harness_trainer.adapters.claude_code import ClaudeCode
+
+        return ClaudeCode(config)
+    if name == "codex":
+        raise AdapterError("the codex adapter is not written yet: the proxy already speaks its Responses dialect; "
                            "use --harness command with its CLI for now")
-    raise AdapterError(f"unknown harness '{name}': choose mini-swe-agent, opencode or command")
+    raise AdapterError(f"unknown harness '{name}': choose mini-swe-agent, opencode, claude-code or command")

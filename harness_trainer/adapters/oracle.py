@@ -1,5 +1,6 @@
 """The oracle policy: a scripted OpenAI-compatible upstream that answers each model call with the task's
-known solution (solution/solve.sh) as a `bash` tool call, then with the harness's submit command.
+known solution (solution/solve.sh) as a call to the agent's shell tool (`bash`, claude-code's `Bash`, codex's
+`exec_command`), then with the harness's submit command.
 
 It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
 traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
@@ -21,6 +22,13 @@ from harness_trainer.adapters.tasks import Task
 from harness_trainer.process import free_port
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+# each agent's shell tool and the name of its command argument
+SHELL_TOOLS = {"bash": "command", "Bash": "command", "exec_command": "cmd"}
+
+
+def _command(arguments: str) -> str | None:
+    args = json.loads(arguments)
+    return next((args[key] for key in ("command", "cmd") if key in args), None) if isinstance(args, dict) else None
 
 
 def plausible_mistake(command: str) -> str:
@@ -82,10 +90,11 @@ class OracleUpstream:
         """The assistant message the oracle sends for this request."""
         messages, tools = body.get("messages") or [], body.get("tools") or []
         names = {(t.get("function") or {}).get("name") for t in tools}
-        if "bash" not in names:
+        shell = next((name for name in SHELL_TOOLS if name in names), None)
+        if shell is None:
             return {"role": "assistant", "content": "Solve the task"}  # a title or summary call
         steps = self._task_steps(messages)
-        ran = [json.loads(c["function"]["arguments"]).get("command") for m in messages if m.get("role") == "assistant"
+        ran = [_command(c["function"]["arguments"]) for m in messages if m.get("role") == "assistant"
                for c in m.get("tool_calls") or [] if c.get("function", {}).get("arguments")]
         if steps is None:
             return {"role": "assistant", "content": "I do not know this task."}
@@ -100,7 +109,7 @@ class OracleUpstream:
             step = todo[0]
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": "bash", "arguments": json.dumps({"command": step})}}]}
+            "function": {"name": shell, "arguments": json.dumps({SHELL_TOOLS[shell]: step})}}]}
 
     # ---- in the engine's own tokens -------------------------------------------------------------------------
 

@@ -26,6 +26,20 @@ def _tool_choice(choice):
     raise ValueError(f"tool_choice {choice!r} is not an Anthropic tool choice")
 
 
+ATTRIBUTION = "x-anthropic-billing-header:"
+
+
+def _without_attribution(system):
+    """claude-code's first system block is `x-anthropic-billing-header: cc_version=...<hash>`, the hash new on
+    every call: left in, no two calls share a token prefix (each turn a new root, quadratic training rows, no
+    prefix-cache hit). It says nothing to the model, so it is dropped (the adapter also turns it off)."""
+    if isinstance(system, str):
+        return "" if system.startswith(ATTRIBUTION) else system
+    if isinstance(system, list):
+        return [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(ATTRIBUTION))]
+    return system
+
+
 class AnthropicDialect:
     name = "anthropic"
     paths = ("/v1/messages", "/messages")
@@ -38,10 +52,13 @@ class AnthropicDialect:
             raise ValueError("'messages' must be a list")
         messages = []
         if body.get("system"):
-            messages.append({"role": "system", "content": message_text(body["system"])})
+            messages.append({"role": "system", "content": message_text(_without_attribution(body["system"]))})
         for msg in body["messages"]:
-            if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-                raise ValueError("each message needs role 'user' or 'assistant'")
+            if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant", "system"):
+                raise ValueError("each message needs role 'user' or 'assistant' (or 'system', as claude-code sends)")
+            if msg["role"] == "system":  # claude-code puts its agent list mid-conversation as a system message
+                messages.append({"role": "system", "content": message_text(msg.get("content"))})
+                continue
             content = msg.get("content")
             blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(blocks, list):
