@@ -213,3 +213,18 @@ def test_opencode_trains_on_the_toy_set(tmp_path):
     assert summary["steps"] == 2 and len(records) == 4
     assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # opencode's turns were captured, trainable
     assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_claude_code_trains_two_steps(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(HARNESS_TRAIN + [
+        "--harness", "claude-code", "--agent-config", "bare", "--dataset", "builtin:toy-train", "--max-steps", "2",
+        "--num-generations", "2", "--max-concurrent-rollouts", "2", "--max-completion-tokens", "32",
+        "--agent-timeout", "120", "--learning-rate", "1e-3", "--report-to", "none", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and len((out / "rollouts.jsonl").read_text().splitlines()) == 4
+    assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # claude-code's turns, captured and valid
+    assert _leftovers(str(tmp_path)) == []
