@@ -200,10 +200,11 @@ def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_opencode_trains_on_the_toy_set(tmp_path):
+@pytest.mark.parametrize("harness", [["opencode"], ["claude-code", "--agent-config", "bare"]], ids=lambda h: h[0])
+def test_npm_agents_train_two_steps_on_the_toy_set(tmp_path, harness):
     out = tmp_path / "run"
-    result = subprocess.run(HARNESS_TRAIN + [
-        "--harness", "opencode", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
+    result = subprocess.run(HARNESS_TRAIN + ["--harness", *harness] + [
+        "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
         "--max-concurrent-rollouts", "2", "--max-completion-tokens", "32", "--agent-timeout", "120",
         "--learning-rate", "1e-3", "--report-to", "none", "--output-dir", str(out)],
         capture_output=True, text=True, timeout=1500)
@@ -211,20 +212,5 @@ def test_opencode_trains_on_the_toy_set(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and len(records) == 4
-    assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # opencode's turns were captured, trainable
-    assert _leftovers(str(tmp_path)) == []
-
-
-@pytest.mark.slow
-def test_claude_code_trains_two_steps(tmp_path):
-    out = tmp_path / "run"
-    result = subprocess.run(HARNESS_TRAIN + [
-        "--harness", "claude-code", "--agent-config", "bare", "--dataset", "builtin:toy-train", "--max-steps", "2",
-        "--num-generations", "2", "--max-concurrent-rollouts", "2", "--max-completion-tokens", "32",
-        "--agent-timeout", "120", "--learning-rate", "1e-3", "--report-to", "none", "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=1500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2 and len((out / "rollouts.jsonl").read_text().splitlines()) == 4
-    assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # claude-code's turns, captured and valid
+    assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # the agent's turns were captured, trainable
     assert _leftovers(str(tmp_path)) == []
