@@ -184,9 +184,7 @@ class _RangeKV:
 def _run_range(model, tree: PackedTree, r: _Range, kv: _RangeKV | None, temperature: float, entropy: bool):
     """Forward of one range; logprobs (and entropy, or None) of the trained tokens it predicts."""
     device = next(model.parameters()).device
-    hidden = model.get_decoder()(input_ids=tree.ids[None, r.start:r.stop].to(device),
-                                 position_ids=tree.depth[None, r.start:r.stop].to(device),
-                                 attention_mask=_mask(tree, r, kv), use_cache=False).last_hidden_state[0]
+    hidden = _hidden(model, tree, r, kv)
     targets = torch.nonzero(tree.trained).squeeze(-1)[r.predict]
     rows = (tree.parent[targets] - r.start).to(device)
     out = chunked_logprobs(hidden[rows], model.get_output_embeddings(), tree.ids[targets].to(device), temperature,
@@ -229,9 +227,7 @@ def tree_backward(model, tree: PackedTree, loss_fn: Callable[[torch.Tensor, torc
         with torch.no_grad():  # pass 1: the keys/values later ranges see as context
             for r in ranges[:-1]:
                 if r.needed.numel():
-                    model.get_decoder()(input_ids=tree.ids[None, r.start:r.stop].to(device),
-                                        position_ids=tree.depth[None, r.start:r.stop].to(device),
-                                        attention_mask=_mask(tree, r, _RangeKV(cache, r, grad=False)), use_cache=False)
+                    _hidden(model, tree, r, _RangeKV(cache, r, grad=False))
     for r in reversed(ranges):  # pass 2
         if not r.predict.numel() and not r.needed.numel():
             continue
@@ -254,9 +250,14 @@ def tree_backward(model, tree: PackedTree, loss_fn: Callable[[torch.Tensor, torc
     return logp, ent
 
 
-def _mask(tree: PackedTree, r: _Range, kv) -> dict:
+def _hidden(model, tree: PackedTree, r: _Range, kv: _RangeKV | None) -> torch.Tensor:
+    """The decoder's last hidden states [n, hidden] for range r; the tree attention's batch rides as the mask."""
+    device = next(model.parameters()).device
     batch = TreeBatch(segments_of(tree.parent, r.start, r.stop, r.path), kv)
-    return {"full_attention": batch, "sliding_attention": batch}
+    return model.get_decoder()(input_ids=tree.ids[None, r.start:r.stop].to(device),
+                               position_ids=tree.depth[None, r.start:r.stop].to(device),
+                               attention_mask={"full_attention": batch, "sliding_attention": batch},
+                               use_cache=False).last_hidden_state[0]
 
 
 def _outputs(tree: PackedTree, device):
