@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="run an agent on a dataset's tasks and tabulate wins",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ev.add_argument("--harness", default="mini-swe-agent", help="mini-swe-agent, opencode, claude-code or command")
+    ev.add_argument("--harness", default="mini-swe-agent", help="mini-swe-agent, opencode, claude-code, codex or command")
     ev.add_argument("--agent-command", default=None, help="for --harness command: a CLI template with {instruction}")
     ev.add_argument("--agent-config", default=None,
                     help="mini-swe-agent: a YAML file layered over its default config, or 'compact' (short prompt)")

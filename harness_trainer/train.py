@@ -31,7 +31,7 @@ def _opt(default, help_text: str):
 class TrainRunConfig:
     """Every field is a `harness-train` flag (`--num-generations`) and a --config YAML key (`num_generations`),
     in the style of TRL's config dataclasses (the help text lives in the field's metadata)."""
-    harness: str = _opt("mini-swe-agent", "mini-swe-agent, opencode, claude-code or command")
+    harness: str = _opt("mini-swe-agent", "mini-swe-agent, opencode, claude-code, codex or command")
     dataset: str = _opt("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME")
     model: str | None = _opt(None, "model folder (default: the embedded tiny model)")
     sandbox: str = _opt("local", "local, e2b, docker or harbor[:ENV]")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from harness_trainer.adapters.agent import AdapterError, AgentReport, AgentRun, read_file
 from harness_trainer.adapters.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CLAUDE = REPO_ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
@@ -21,20 +22,16 @@ class ClaudeCode:
     name = "claude-code"
 
     def __init__(self, mode: str | None = None):
-        from harness_trainer.adapters.harnesses import AdapterError
-
         if (mode or "full") not in MODES:
             raise AdapterError(f"--agent-config {mode!r} for claude-code: choose full (all its tools) or bare "
                                "(its slim mode, one Bash tool: for small models)")
         self.mode = mode or "full"
 
     def check_installed(self) -> None:
-        from harness_trainer.adapters.harnesses import AdapterError
-
         if not CLAUDE.exists():
             raise AdapterError(f"claude-code is not installed at {CLAUDE}: run `make setup` (needs npm)")
 
-    def prepare(self, run) -> tuple[str, dict[str, str]]:
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         model = run.model
         env = {"HOME": "/home", "HARNESS_TASK": run.instruction, "PWD": "/app",
                "ANTHROPIC_BASE_URL": run.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": run.api_key,
@@ -50,13 +47,11 @@ class ClaudeCode:
                    "</dev/null >/logs/agent/events.jsonl")
         return command, env
 
-    def collect(self, sandbox: Sandbox, result: ExecResult):
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
         """Tool calls by name (tool_use blocks), failures (tool_result is_error) and the final result, from its
         stream-json events."""
-        from harness_trainer.adapters.harnesses import AgentReport, _read
-
         report = AgentReport(exit_status=f"exit {result.returncode}")
-        for line in (_read(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
+        for line in (read_file(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
             try:
                 event = json.loads(line)
             except ValueError:
@@ -70,7 +65,9 @@ class ClaudeCode:
                     report.tool_failure_count += 1
                 elif block.get("type") == "text" and event.get("type") == "assistant" and block.get("text"):
                     report.completion.append({"role": "assistant", "content": block["text"]})
-            if event.get("type") == "result":
-                if event.get("is_error"):
-                    report.exit_status += f"; claude-code error: {str(event.get('result'))[:300]}"
+            if event.get("type") == "result" and event.get("is_error"):
+                text = str(event.get("result"))[:300]
+                report.exit_status += f"; claude-code error: {text}"
+                if event.get("api_error_status") or text.startswith("API Error"):  # not max-turns: the API failed it
+                    report.failure = f"claude-code: {text}"
         return report

@@ -1,74 +1,23 @@
 """Harness adapters: how to run one unmodified agent program against a capture session, inside a sandbox,
-and what it did, read from its own output. Adding an agent is one small class:
-
-    name                       what --harness calls it
-    check_installed()          raise AdapterError saying how to install it
-    prepare(run) -> (command, env)   a shell command run in the sandbox's /app, and its environment;
-                               may write config files into the sandbox first
-    collect(sandbox, result) -> AgentReport
+and what it did, read from its own output (the contract: adapters/agent.py). mini-swe-agent, opencode and the
+command template live here; claude-code and codex have a file each.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
+from harness_trainer.adapters.agent import AdapterError, AgentReport, AgentRun, Harness, read_file
+from harness_trainer.adapters.claude_code import ClaudeCode
+from harness_trainer.adapters.codex import Codex
 from harness_trainer.adapters.sandbox import REPO_ROOT, ExecResult, Sandbox
+
+__all__ = ["AdapterError", "AgentReport", "AgentRun", "Harness", "make_harness"]
 
 MINI = REPO_ROOT / ".venv-mini" / "bin" / "mini"
 OPENCODE = REPO_ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
-
-
-class AdapterError(RuntimeError):
-    """An agent program is missing or misconfigured; the message says what to do."""
-
-
-@dataclass
-class AgentRun:
-    """What the adapter needs to start an agent."""
-    instruction: str
-    base_url: str  # the capture session's OpenAI-style base URL (ends in /v1)
-    api_key: str  # the capture session id
-    model: str  # the served model id
-    step_limit: int = 30
-    timeout_s: float = 600.0
-    sandbox: Sandbox | None = None
-
-
-@dataclass
-class AgentReport:
-    """What the agent did, from its own output."""
-    completion: list[dict] = field(default_factory=list)  # the final transcript, as chat messages
-    tool_calls_by_name: dict[str, int] = field(default_factory=dict)
-    tool_failure_count: int = 0  # tool calls that failed (non-zero exit, not executed)
-    invalid_tool_calls: int = 0  # answers the harness rejected as malformed (no/unparseable tool call)
-    exit_status: str = ""
-
-    @property
-    def tool_call_count(self) -> int:
-        return sum(self.tool_calls_by_name.values())
-
-
-class Harness(Protocol):
-    name: str
-
-    def check_installed(self) -> None: ...
-    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]: ...
-    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport: ...
-
-
-def _read(sandbox: Sandbox, inside: str) -> str | None:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            sandbox.download(inside, Path(tmp) / "f")
-            return (Path(tmp) / "f").read_text(errors="replace")
-        except Exception:
-            return None
 
 
 COMPACT_CONFIG = Path(__file__).with_name("mini_compact.yaml")
@@ -108,7 +57,7 @@ class MiniSweAgent:
         return setup + command, env
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
-        text = _read(sandbox, "/logs/agent/traj.json")
+        text = read_file(sandbox, "/logs/agent/traj.json")
         if not text:
             return AgentReport(exit_status="no trajectory")
         traj = json.loads(text)
@@ -158,7 +107,7 @@ class OpenCode:
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
         report = AgentReport(exit_status=f"exit {result.returncode}")
-        text = _read(sandbox, "/logs/agent/events.jsonl") or ""
+        text = read_file(sandbox, "/logs/agent/events.jsonl") or ""
         for line in text.splitlines():
             try:
                 event = json.loads(line)
@@ -220,10 +169,10 @@ def make_harness(name: str, command: str | None = None, config: str | None = Non
             raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
         return CommandHarness(command)
     if name == "claude-code":
-        from harness_trainer.adapters.claude_code import ClaudeCode
-
         return ClaudeCode(config)
     if name == "codex":
-        raise AdapterError("the codex adapter is not written yet: the proxy already speaks its Responses dialect; "
-                           "use --harness command with its CLI for now")
-    raise AdapterError(f"unknown harness '{name}': choose mini-swe-agent, opencode, claude-code or command")
+        return Codex()
+    raise AdapterError(f"unknown harness '{name}': choose {', '.join(HARNESSES)}")
+
+
+HARNESSES = ("mini-swe-agent", "opencode", "claude-code", "codex", "command")

@@ -13,7 +13,8 @@ The contract the trainer (issue 5) uses, shaped like OpenEnv's so its `HarborSes
     ok             the agent ran, the verifier scored it
     cancelled      stopped by the trainer because its policy became too stale: not verified, not trained
     timeout        the agent was killed at its timeout: captured turns and the verifier's score are kept
-    unscorable     sandbox / agent start / transport failure, or the verifier could not score: reward None
+    unscorable     sandbox / agent start / transport failure (the agent's own report of a model API error
+                   included), or the verifier could not score: reward None
     malformed      the capture breaks the trace contract: CaptureContractError, which stops training
 """
 
@@ -115,6 +116,8 @@ class LocalSession:
             self.report = self.factory.harness.collect(self.sandbox, self.result)
         except Exception as exc:
             self.report = AgentReport(exit_status=f"unreadable agent output: {exc}")
+        if self.report.failure and not self.error and not self.cancelled:
+            self.error = f"the agent stopped on a model API failure: {self.report.failure}"
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         if self._thread is not None:
