@@ -182,3 +182,67 @@ def test_upstream_faults_are_retried_then_passed_through(engine, tmp_path):
             assert proxy.client.session(session["id"])["calls"] == 1
     finally:
         stub.shutdown()
+
+
+class CutStreamUpstream(BaseHTTPRequestHandler):
+    """A stub upstream for fault injection: relays the real engine's stream for `keep` events, then either
+    drops the connection mid-body (an engine that died: no terminating chunk) or sends vLLM's in-stream error
+    event and [DONE]."""
+    engine_url, keep, mode = "", 3, "cut"
+    protocol_version = "HTTP/1.1"
+
+    do_GET = FlakyUpstream.do_GET
+
+    def do_POST(self):
+        payload = self.rfile.read(int(self.headers["content-length"]))
+        with httpx.stream("POST", self.engine_url + self.path, content=payload, timeout=60,
+                          headers={"content-type": "application/json"}) as answer:
+            events = [e for e in answer.read().split(b"\n\n") if e.strip()]
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        sent = [event + b"\n\n" for event in events[:self.keep]]
+        if self.mode == "error":
+            sent.append(b'data: {"error": {"message": "engine fell over", "code": 500}}\n\ndata: [DONE]\n\n')
+        for data in sent:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self.mode == "error":
+            self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True  # "cut": closed with no terminating chunk
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["cut", "error"])
+def test_a_stream_the_engine_breaks_ends_in_the_dialects_error_event(engine, tmp_path, mode):
+    """Never a stream that just stops: codex and claude-code retry on their dialect's error event."""
+    CutStreamUpstream.engine_url, CutStreamUpstream.mode = engine.url, mode
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), CutStreamUpstream)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    asks = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            "anthropic": ("/v1/messages?beta=true", {"messages": [{"role": "user", "content": "hi"}]}),
+            "responses": ("/v1/responses", {"input": "hi"})}
+    try:
+        with ProxyServer(f"http://127.0.0.1:{stub.server_port}", model="tiny", log_path=tmp_path / "p.log") as proxy:
+            session = proxy.client.create_session()
+            for dialect, (path, body) in asks.items():
+                answer = httpx.post(proxy.url + path, headers={"authorization": f"Bearer {session['api_key']}"},
+                                    json={"model": "m", "max_tokens": 16, "stream": True, **body}, timeout=60)
+                events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+                last = events[-1]
+                if dialect == "chat":
+                    assert "error" in last and "[DONE]" not in answer.text, answer.text
+                elif dialect == "anthropic":
+                    assert last["type"] == "error" and "message_stop" not in answer.text, answer.text
+                else:
+                    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+                    assert "response.completed" not in answer.text and events[0]["type"] == "response.created"
+                expected = "engine fell over" if mode == "error" else "stream broke off"
+                assert expected in json.dumps(last)
+            calls = proxy.client.rollout(session["id"])["calls"]
+            assert len(calls) == 3 and all(c["problem"] for c in calls)  # recorded, never trained on
+    finally:
+        stub.shutdown()

@@ -3,8 +3,9 @@
   request          control routes are answered here; a model call is authenticated by its session key,
                    translated to a chat completion, checked against the session's sampling policy, given
                    the capture fields, and re-addressed to the session's upstream
-  responseheaders  a streamed answer is passed on chunk by chunk (true streaming) through `Capture.feed`,
-                   which accumulates ids and logprobs and rewrites each event for the agent
+  responseheaders  a streamed answer (read from the engine by relay.py) is passed on chunk by chunk (true
+                   streaming) through `Capture.feed`, which accumulates ids and logprobs and rewrites each
+                   event for the agent; an engine error mid-stream becomes the dialect's error event
   response         a JSON answer is captured and rewritten; 408/429/5xx are retried; a context overflow
                    becomes a clean stop answer; other upstream errors pass through
 
@@ -24,7 +25,9 @@ from mitmproxy import http
 from harness_trainer.proxy.capture import (Completion, PolicyRefusal, SamplingPolicy, SSEDecoder, event_data,
                                            prepare_chat_request)
 from harness_trainer.proxy.control import ControlRoutes, json_response
+from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.dialects import dialect_for
+from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
 from harness_trainer.proxy.rollout import Call, Session
 from harness_trainer.proxy.store import SessionStore
 
@@ -51,6 +54,7 @@ class Capture:
     decoder: SSEDecoder = field(default_factory=SSEDecoder)
     translator: object = None
     finished: bool = False
+    failed: bool = False  # an error event was sent: no success ending may follow
 
     def feed(self, data: bytes) -> list[bytes]:
         """mitmproxy's stream callable: raw upstream SSE bytes in (b"" = end), the agent's chunks out.
@@ -64,7 +68,8 @@ class Capture:
             payload = event_data(raw)
             if payload == "[DONE]":
                 self.finish()
-                out.append(self.translator.done())
+                if not self.failed:
+                    out.append(self.translator.done())
                 continue
             chunk = None
             if payload:
@@ -72,6 +77,11 @@ class Capture:
                     chunk = json.loads(payload)
                 except json.JSONDecodeError:
                     chunk = None
+            if isinstance(chunk, dict) and chunk.get("error") and not self.failed:  # the engine failed mid-stream
+                error = chunk["error"]
+                out.append(self._fail(f"the engine failed mid-answer: "
+                                      f"{error.get('message') if isinstance(error, dict) else error}"))
+                continue
             if isinstance(chunk, dict):
                 if chunk.get("prompt_token_ids"):
                     self.completion.prompt_token_ids = chunk["prompt_token_ids"]
@@ -80,10 +90,17 @@ class Capture:
                 self.completion.usage = chunk.get("usage") or self.completion.usage
             if raw.strip():
                 out.append(self.translator.event(raw, chunk if isinstance(chunk, dict) else None))
-        if not data and not self.finished:  # the stream ended without [DONE]
+        if not data and not self.finished:  # the stream ended without [DONE]: cut (the engine died?)
             self.finish()
+            if not self.failed:
+                out.append(self._fail("the engine's stream ended before the answer was finished"))
         body = b"".join(out)
         return [body] if body else []
+
+    def _fail(self, message: str) -> bytes:
+        """The agent gets its dialect's error event (its retry path), never a stream that just stops."""
+        self.failed = True
+        return self.translator.failed(message)
 
     def finish(self) -> None:
         if self.finished:
@@ -117,6 +134,10 @@ class CaptureAddon:
         self.retries = retries
         self.control = ControlRoutes(self, admin_key=admin_key, public_url=public_url)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
+        self.relay = StreamRelay()
+
+    async def running(self) -> None:
+        await self.relay.start()
 
     async def served_model(self, upstream: str) -> str:
         if self.model is None or upstream != self.upstream:
@@ -177,7 +198,11 @@ class CaptureAddon:
         flow.metadata["capture"] = Capture(
             self.store, session, dialect, asked, sent, requested, sent_params, stream, session.policy_version,
             flow.request.headers.get("x-session-id"))
-        flow.request.url = f"{session.upstream}/v1/chat/completions"
+        if stream:  # through the relay, so a stream the engine breaks still ends in an error event
+            flow.request.url = f"http://127.0.0.1:{self.relay.port}/v1/chat/completions"
+            flow.request.headers[UPSTREAM_HEADER] = session.upstream
+        else:
+            flow.request.url = f"{session.upstream}/v1/chat/completions"
         for header in ("authorization", "x-api-key", "x-goog-api-key", "accept-encoding"):
             flow.request.headers.pop(header, None)
         flow.request.headers["content-type"] = "application/json"
@@ -227,8 +252,6 @@ class CaptureAddon:
 
     async def count_tokens(self, flow: http.HTTPFlow) -> http.Response:
         """Anthropic's token count, answered by the engine's own tokenizer and never recorded."""
-        from harness_trainer.proxy.dialects import AnthropicDialect
-
         dialect = AnthropicDialect()
         session = self.store.sessions.get(session_key(flow.request) or "")
         if session is None:
@@ -252,4 +275,5 @@ class CaptureAddon:
             "content-type": "text/event-stream" if stream else "application/json"})
 
     async def done(self) -> None:
+        await self.relay.stop()
         await self.http.aclose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from harness_trainer.proxy.dialects import (BlockStream, copy_fields, function_tools, message_text, sse,
+from harness_trainer.proxy.translate import (BlockStream, copy_fields, function_tools, message_text, sse,
                                             tool_arguments)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: "end_turn"}
@@ -160,3 +160,5 @@ class AnthropicStream(BlockStream):
                             usage={"output_tokens": output})
                 + self._event("message_stop"))
 
+    def failed(self, message: str) -> bytes:
+        return self._event("error", error={"type": "api_error", "message": message})

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 
-from harness_trainer.proxy.dialects import BlockStream, copy_fields, function_tools, message_text, sse
+from harness_trainer.proxy.translate import BlockStream, copy_fields, function_tools, message_text, sse
 
 
 def _tool_choice(choice):
@@ -180,3 +180,12 @@ class ResponsesStream(BlockStream):
                           usage.get("completion_tokens", self.output_tokens))
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return self._event(kind, response=final)
+
+    def failed(self, message: str) -> bytes:
+        """codex retries a stream that ends without response.completed as a network error; an engine failure
+        must reach it as one `response.failed`, never as a cut stream."""
+        final = _response(self.id, self.model, self.items, None, self.prompt_tokens, self.output_tokens,
+                          status="failed")
+        final["error"] = {"code": "server_error", "message": message}
+        prefix, self.started = (b"" if self.started else self.start()), True
+        return prefix + self._event("response.failed", response=final)
