@@ -9,6 +9,7 @@
 #   .venv-mini    mini-swe-agent, an external agent program with its own pinned dependencies
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
+#   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ MITMPROXY_VERSION=11.0.2
 MINI_SWE_AGENT_VERSION=2.4.6
 OPENCODE_VERSION=1.18.33
 CLAUDE_CODE_VERSION=2.1.197
+CODEX_VERSION=0.171.0
 HARBOR_VERSION=0.26.0
 STAMPS=.setup-stamps
 mkdir -p "$STAMPS"
@@ -114,6 +116,12 @@ install_claude_code() {  # its install script only links the binary; the wrapper
   .tools/claude-code/node_modules/.bin/claude --version
 }
 
+install_codex() {
+  rm -rf .tools/codex && mkdir -p .tools/codex
+  npm install --prefix .tools/codex --no-audit --no-fund "@openai/codex@$CODEX_VERSION"
+  .tools/codex/node_modules/.bin/codex --version
+}
+
 install_bwrap() {
   if [ "$(id -u)" != 0 ]; then echo "not root: install bubblewrap yourself (apt-get install bubblewrap)"; return 1; fi
   (apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; })
@@ -126,8 +134,9 @@ run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
 if command -v npm >/dev/null 2>&1; then
   run_step opencode "$OPENCODE_VERSION" install_opencode
   run_step claude-code "$CLAUDE_CODE_VERSION" install_claude_code
+  run_step codex "$CODEX_VERSION" install_codex
 else
-  echo "setup: skipping opencode and claude-code: npm is not installed (install Node.js 20+ to use them)" >&2
+  echo "setup: skipping opencode, claude-code and codex: npm is not installed (install Node.js 20+ to use them)" >&2
 fi
 install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it gets its own environment
   local py

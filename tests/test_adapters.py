@@ -1,11 +1,13 @@
 """Rollout building blocks without a model: Harbor task parsing, the bubblewrap sandbox's isolation and
-timeouts, the verifier against a planted reward, failure classes, reward plugins, credentials."""
+timeouts, the verifier against a planted reward, failure classes (claude-code's and codex's own included),
+reward plugins, credentials."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import textwrap
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,59 @@ def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
     broken = TraceBreakingClient(proxy.url, proxy.admin_key)
     with pytest.raises(CaptureContractError, match="breaks the TrainingTrace contract"):
         run_rollout(command_factory(proxy, tmp_path, "true", client=broken), toy())
+
+class FiveHundred(BaseHTTPRequestHandler):
+    """A stub engine for fault injection (the real one cannot be made to fail on demand): every call is a 500."""
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        body = b'{"error": {"message": "injected engine failure", "code": 500}}'
+        self.send_response(500)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class UpstreamClient(ProxyClient):
+    """Creates every capture session on another upstream (here: the failing stub)."""
+    upstream = ""
+
+    def create_session(self, **settings) -> dict:
+        return super().create_session(upstream=self.upstream, model="tiny", **settings)
+
+
+@pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), ("codex", None)], ids=["claude-code", "codex"])
+def test_claude_code_and_codex_failures_end_unscorable_with_the_reason(proxy, tmp_path, harness, mode):
+    """No server (nothing listens at the agent's base URL) and HTTP 500 from the engine: each rollout ends
+    unscorable, with the agent's own words, well inside the agent timeout (codex alone would reconnect forever)."""
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        closed_port = free.getsockname()[1]
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), FiveHundred)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    client = UpstreamClient(proxy.url, proxy.admin_key)
+    client.upstream = f"http://127.0.0.1:{stub.server_port}"
+    faults = {"no server": dict(proxy=proxy.client, public_url=f"http://127.0.0.1:{closed_port}"),
+              "HTTP 500": dict(proxy=client)}
+    try:
+        for fault, wiring in faults.items():
+            factory = LocalSessionFactory({"max_tokens_cap": 16}, harness=harness, agent_config=mode,
+                                          output_dir=tmp_path / fault, agent_timeout_s=150, **wiring)
+            started = time.perf_counter()
+            record = run_rollout(factory, toy())
+            assert record.status == "unscorable" and record.outcome.env_reward is None, (fault, record.reason)
+            assert "model API failure" in record.reason and harness in record.reason, (fault, record.reason)
+            assert time.perf_counter() - started < 100, fault
+    finally:
+        stub.shutdown()
+
 
 # ---- rewards ------------------------------------------------------------------------------------------------
 

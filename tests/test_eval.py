@@ -47,23 +47,32 @@ def test_oracle_solves_the_toy_training_set(engine, tmp_path):
     assert summary.wins == summary.tasks == 48
 
 
-@pytest.mark.parametrize("mode", ["bare", "full"])
-def test_claude_code_with_the_oracle_solves_toy_tasks_as_one_chain(engine, tmp_path, mode):
-    """The real claude-code binary, in the sandbox, through the proxy's Anthropic dialect: its Bash calls are
-    the oracle's, the verifier scores them, and each multi-turn rollout is ONE chain (no per-call hash)."""
+# (harness, --agent-config, its shell tool, the dialect it speaks)
+NPM_AGENTS = [("claude-code", "bare", "Bash", "anthropic"), ("claude-code", "full", "Bash", "anthropic"),
+              ("codex", None, "exec_command", "responses")]
+
+
+@pytest.mark.parametrize("harness,mode,shell,dialect", NPM_AGENTS, ids=["claude-code-bare", "claude-code-full", "codex"])
+def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one_chain(
+        engine, tmp_path, harness, mode, shell, dialect):
+    """The real binaries, in the sandbox, through the proxy's Anthropic / Responses dialect: the oracle's
+    answers are calls to the agent's own shell tool, the verifier scores them, and each multi-turn rollout is
+    ONE chain (for claude-code: no per-call attribution hash breaking the prefix)."""
     from harness_trainer.rows import chains_from_trace
 
-    summary, records = evaluate(EvalConfig(harness="claude-code", agent_config=mode, dataset="builtin:toy-train",
-                                           limit=2, vllm_url=engine.url, policy="oracle", concurrency=2,
-                                           max_tokens=256, output_dir=str(tmp_path)))
-    assert summary.wins == summary.rollouts == 2, [(r.status, r.reason, r.agent_exit) for r in records]
-    for record in records:
-        assert record.outcome.tool_calls_by_name == {"Bash": 2} and record.outcome.tool_failure_count == 0
-    traces = read_traces(tmp_path / "traces.jsonl")
-    assert len(traces) == 2
-    for trace in traces:
-        assert len(trace.turns) >= 3 and len(chains_from_trace(trace, 0)) == 1
-        assert all(t.metadata["dialect"] == "anthropic" for t in trace.turns)
+    for dataset, limit in (("builtin:toy-train", 2), ("builtin:bugfix", 5)):
+        out = tmp_path / dataset[8:]
+        summary, records = evaluate(EvalConfig(harness=harness, agent_config=mode, dataset=dataset, limit=limit,
+                                               vllm_url=engine.url, policy="oracle", concurrency=2,
+                                               max_tokens=256, output_dir=str(out)))
+        assert summary.wins == summary.rollouts == limit, [(r.task, r.status, r.reason) for r in records]
+        for record in records:
+            assert record.outcome.tool_calls_by_name == {shell: 2} and record.outcome.tool_failure_count == 0
+        traces = read_traces(out / "traces.jsonl")
+        assert len(traces) == limit
+        for trace in traces:
+            assert len(trace.turns) >= 3 and len(chains_from_trace(trace, 0)) == 1
+            assert all(t.metadata["dialect"] == dialect for t in trace.turns)
 
 
 @pytest.mark.parametrize("harness", ["mini-swe-agent", "opencode"])

@@ -200,7 +200,8 @@ def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("harness", [["opencode"], ["claude-code", "--agent-config", "bare"]], ids=lambda h: h[0])
+@pytest.mark.parametrize("harness", [["opencode"], ["claude-code", "--agent-config", "bare"], ["codex"]],
+                         ids=lambda h: h[0])
 def test_npm_agents_train_two_steps_on_the_toy_set(tmp_path, harness):
     out = tmp_path / "run"
     result = subprocess.run(HARNESS_TRAIN + ["--harness", *harness] + [

@@ -16,7 +16,7 @@ from harness_trainer.adapters.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CODEX = REPO_ROOT / ".tools" / "codex" / "node_modules" / ".bin" / "codex"
 KEY_VARIABLE = "HARNESS_CAPTURE_KEY"
-NETWORK_WAIT, NETWORK_TRIES = "waiting for network", 4
+NETWORK_WAIT, NETWORK_TRIES = "waiting for network", 3
 # its --json item types that are tool calls -> the tool the model called (None: the item names it)
 TOOL_ITEMS = {"command_execution": "exec_command", "file_change": "apply_patch", "web_search": "web_search",
               "mcp_tool_call": None}
@@ -51,7 +51,7 @@ class Codex:
                "HARNESS_TASK": run.instruction, "HARNESS_CODEX_CONFIG": config_toml(run), KEY_VARIABLE: run.api_key,
                "RUST_LOG": "error", "NO_COLOR": "1"}
         events = "/logs/agent/events.jsonl"
-        # With no server codex reconnects forever (back-off 6, 16, 37, 78 s ...): a watcher ends it after
+        # With no server codex reconnects forever (at 0, 6, 16, 37, 78 s ...): a watcher ends it after
         # NETWORK_TRIES such messages, which still rides out a proxy restart of a few seconds.
         command = ("mkdir -p /logs/agent /home/.codex && "
                    "printf '%s' \"$HARNESS_CODEX_CONFIG\" > /home/.codex/config.toml && "
