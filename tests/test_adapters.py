@@ -157,8 +157,9 @@ class TraceBreakingClient(ProxyClient):
 
 CLIENT_SCRIPT = textwrap.dedent("""
     import json, os, sys, urllib.request
+    text = open(sys.argv[1][1:]).read() if sys.argv[1].startswith("@") else sys.argv[1]  # @FILE: its text
     body = {"model": os.environ["OPENAI_MODEL"], "max_tokens": 4,
-            "messages": [{"role": "user", "content": sys.argv[1]}],
+            "messages": [{"role": "user", "content": text}],
             "tools": [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]}
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps(body).encode(),
                                  {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
@@ -179,7 +180,7 @@ def toy():
     return load_dataset("builtin:toy-heldout")[0]
 
 
-def test_rollout_ok_and_timeout_keep_turns_and_score(proxy, tmp_path):
+def test_rollout_ok_timeout_and_clean_stop_keep_turns_and_score(proxy, tmp_path):
     solve = "echo {word} > {file}".format(**toy().metadata)
     ok = run_rollout(command_factory(proxy, tmp_path, solve), toy())
     assert ok.status == "ok" and ok.outcome.env_reward == 1.0 and len(ok.outcome.trace) == 1
@@ -187,6 +188,12 @@ def test_rollout_ok_and_timeout_keep_turns_and_score(proxy, tmp_path):
                                        agent_timeout_s=3), toy())
     assert slow.status == "timeout" and slow.outcome.timed_out
     assert slow.outcome.env_reward == 1.0 and len(slow.outcome.trace) == 1  # turns and score both kept
+    import shlex
+
+    overflow = f"python3 -c \"print('word ' * 40000)\" > /tmp/big; python3 -c {shlex.quote(CLIENT_SCRIPT)} @/tmp/big"
+    stopped = run_rollout(command_factory(proxy, tmp_path, f"{solve}; {overflow}"), toy())
+    assert stopped.status == "ok" and stopped.outcome.env_reward == 1.0 and len(stopped.outcome.trace) == 1
+    assert stopped.reason.startswith("stopped by the capture proxy: the prompt does not fit the engine")
 
 
 def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):

@@ -111,6 +111,7 @@ def test_budget_exhausted_is_a_clean_unrecorded_stop(proxy):
     _, events = stream_events(session, {"messages": MESSAGES, "max_tokens": 2})
     assert events[0]["choices"][0]["delta"]["content"] == "Step budget exhausted; stopping." and events[-1] == "[DONE]"
     assert len(proxy.client.rollout(session["id"])["calls"]) == 1
+    assert proxy.client.session(session["id"])["stops"] == ["model-call budget of 1 used up"]
 
 
 def test_context_overflow_is_a_clean_stop(proxy):
@@ -118,7 +119,8 @@ def test_context_overflow_is_a_clean_stop(proxy):
     huge = [{"role": "user", "content": "word " * 40000}]
     answer = post(session, {"messages": huge, "max_tokens": 2}).json()
     assert answer["choices"][0]["message"]["content"] == "Context length exceeded; stopping."
-    assert proxy.client.session(session["id"])["calls"] == 0
+    summary = proxy.client.session(session["id"])
+    assert summary["calls"] == 0 and summary["stops"][0].startswith("the prompt does not fit the engine")
 
 
 def test_auth_admin_and_isolation(proxy):

@@ -140,6 +140,13 @@ class LocalSession:
             raise CaptureContractError(f"rollout {self.episode_id} ({self.task.name}): the captured trace breaks "
                                        f"the TrainingTrace contract: {exc}") from None
 
+    def proxy_stops(self) -> list[str]:
+        """Clean stops the proxy answered this rollout's agent with (model-call budget, context overflow)."""
+        try:
+            return list(self.factory.proxy.session(self.capture["id"]).get("stops") or []) if self.capture else []
+        except Exception:  # a reason is only information; never fail a rollout over it
+            return []
+
     def verify(self, transcript: list | None = None, final_state=None) -> VerifyResult:
         if self.sandbox is None or self.error:
             return VerifyResult(env_reward=None, done=True, metrics={"verifier": self.error or "no sandbox"})
@@ -220,6 +227,8 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
                 reason = f"nothing trainable was captured: {exc}"
             except ProxyError as exc:
                 reason = f"could not fetch the trace: {exc}"
+        if not reason and (stops := session.proxy_stops()):  # the agent was stopped cleanly: say why
+            reason = "stopped by the capture proxy: " + "; ".join(stops)
         verified = session.verify(session.report.completion)
         if session.error:
             status = "unscorable"

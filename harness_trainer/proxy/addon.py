@@ -187,7 +187,8 @@ class CaptureAddon:
             return
         stream = dialect.wants_stream(asked)
         if session.max_model_calls is not None and session.started_calls >= session.max_model_calls:
-            flow.response = self.stop_response(dialect, asked, session, BUDGET_STOP, stream)
+            flow.response = self.stop_response(dialect, asked, session, BUDGET_STOP, stream,
+                                               f"model-call budget of {session.max_model_calls} used up")
             return
         try:
             sent, requested, sent_params = prepare_chat_request(chat, session.policy, session.model)
@@ -242,7 +243,7 @@ class CaptureAddon:
         text = response.get_text(strict=False) or ""
         if response.status_code == 400 and "context length" in text.lower():
             flow.response = self.stop_response(capture.dialect, capture.asked, capture.session, CONTEXT_STOP,
-                                               capture.stream)
+                                               capture.stream, f"the prompt does not fit the engine: {text[:300]}")
             return
         try:
             message = json.loads(text).get("error", {}).get("message") or text
@@ -269,8 +270,10 @@ class CaptureAddon:
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             return json_response(502, dialect.error(502, f"the engine could not count tokens: {exc}"))
 
-    def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool) -> http.Response:
-        """A clean stop in the agent's dialect; never recorded."""
+    def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool,
+                      why: str) -> http.Response:
+        """A clean stop in the agent's dialect: not a captured call, but the session notes why it stopped."""
+        self.store.stop(session, why)
         return http.Response.make(200, dialect.stop_answer(asked, session.model, text, stream), {
             "content-type": "text/event-stream" if stream else "application/json"})
 

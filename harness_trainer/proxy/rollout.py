@@ -61,11 +61,13 @@ class Session:
     created: float = field(default_factory=time.time)
     calls: list[Call] = field(default_factory=list)
     started_calls: int = 0  # calls admitted (in flight or finished), for the budget
+    stops: list[str] = field(default_factory=list)  # clean stops the proxy answered (budget, context), why
 
     def summary(self) -> dict:
         return {"id": self.id, "upstream": self.upstream, "model": self.model, "policy": asdict(self.policy),
                 "max_model_calls": self.max_model_calls, "policy_version": self.policy_version,
-                "metadata": self.metadata, "created": self.created, "calls": len(self.calls)}
+                "metadata": self.metadata, "created": self.created, "calls": len(self.calls),
+                "stops": list(self.stops)}
 
     def node_id(self, call: Call) -> str:
         return f"{self.id}:{call.index}"

@@ -54,6 +54,8 @@ class SessionStore:
                     session = Session(**record)
                 elif kind == "call" and session:
                     session.calls.append(Call(**record))
+                elif kind == "stop" and session:
+                    session.stops.append(record["why"])
                 elif kind == "version" and session:
                     session.policy_version = record["policy_version"]
                     self.current_version = max(self.current_version, session.policy_version)
@@ -73,7 +75,7 @@ class SessionStore:
                           policy=policy or SamplingPolicy(), max_model_calls=max_model_calls,
                           policy_version=policy_version, metadata=metadata or {})
         self._append(session.id, {"t": "session", **{k: v for k, v in asdict(session).items()
-                                                      if k not in ("calls", "started_calls")}})
+                                                      if k not in ("calls", "started_calls", "stops")}})
         self.sessions[session.id] = session
         return session
 
@@ -81,6 +83,12 @@ class SessionStore:
         if self.journal_dir:  # vars(), not asdict(): Call holds plain lists and dicts, no deep copy needed
             self._append(session.id, {"t": "call", **vars(call)})
         session.calls.append(call)
+
+    def stop(self, session: Session, why: str) -> None:
+        """The proxy answered a clean stop (budget, context): journaled like a call, once per reason."""
+        if why not in session.stops:
+            session.stops.append(why)
+            self._append(session.id, {"t": "stop", "why": why})
 
     def set_policy_version(self, session: Session, version: int) -> None:
         session.policy_version = version
