@@ -122,7 +122,7 @@ def _occupied_port():
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--harness", "aider"], "unknown harness 'aider': choose mini-swe-agent, opencode, claude-code or command"),
+    (["--harness", "aider"], "unknown harness 'aider': choose mini-swe-agent, opencode, claude-code, codex or command"),
     (["--dataset", "builtin:nope"], "no builtin dataset 'nope'"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--vllm-url", "http://127.0.0.1:9"], "no healthy vLLM server at http://127.0.0.1:9"),

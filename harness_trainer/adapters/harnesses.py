@@ -172,7 +172,7 @@ def make_harness(name: str, command: str | None = None, config: str | None = Non
         return ClaudeCode(config)
     if name == "codex":
         return Codex()
-    raise AdapterError(f"unknown harness '{name}': choose {', '.join(HARNESSES)}")
+    raise AdapterError(f"unknown harness '{name}': choose {', '.join(HARNESSES[:-1])} or {HARNESSES[-1]}")
 
 
 HARNESSES = ("mini-swe-agent", "opencode", "claude-code", "codex", "command")
