@@ -55,6 +55,7 @@ class Capture:
     translator: object = None
     finished: bool = False
     failed: bool = False  # an error event was sent: no success ending may follow
+    released: bool = False  # no longer counted in flight
 
     def feed(self, data: bytes) -> list[bytes]:
         """mitmproxy's stream callable: raw upstream SSE bytes in (b"" = end), the agent's chunks out.
@@ -82,6 +83,8 @@ class Capture:
                 out.append(self._fail(f"the engine failed mid-answer: "
                                       f"{error.get('message') if isinstance(error, dict) else error}"))
                 continue
+            if isinstance(chunk, dict) and self._alias(chunk):
+                raw = b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
             if isinstance(chunk, dict):
                 if chunk.get("prompt_token_ids"):
                     self.completion.prompt_token_ids = chunk["prompt_token_ids"]
@@ -97,6 +100,13 @@ class Capture:
         body = b"".join(out)
         return [body] if body else []
 
+    def _alias(self, answer: dict) -> bool:
+        """The agent sees the model it was given, not the adapter that sampled (policy-vN): True if renamed."""
+        if answer.get("model") == self.sent["model"] != self.session.model:
+            answer["model"] = self.session.model
+            return True
+        return False
+
     def _fail(self, message: str) -> bytes:
         """The agent gets its dialect's error event (its retry path), never a stream that just stops."""
         self.failed = True
@@ -108,7 +118,7 @@ class Capture:
         self.finished = True
         c = self.completion
         self.store.record(self.session, Call(
-            index=len(self.session.calls), dialect=self.dialect.name, stream=self.stream,
+            index=len(self.session.calls), dialect=self.dialect.name, stream=self.stream, model=self.sent["model"],
             policy_version=self.policy_version, n_tools=len(self.sent.get("tools") or []),
             request={"messages": self.sent["messages"], "tools": self.sent.get("tools")},
             sampling_params=self.sent_params, requested_sampling_params=self.requested_params,
@@ -191,11 +201,13 @@ class CaptureAddon:
                                                f"model-call budget of {session.max_model_calls} used up")
             return
         try:
-            sent, requested, sent_params = prepare_chat_request(chat, session.policy, session.model)
+            sent, requested, sent_params = prepare_chat_request(chat, session.policy,
+                                                                session.sampling_model or session.model)
         except (PolicyRefusal, TypeError, ValueError) as exc:
             flow.response = json_response(400, dialect.error(400, str(exc)))
             return
         session.started_calls += 1
+        self.store.in_flight[sent["model"]] = self.store.in_flight.get(sent["model"], 0) + 1
         flow.metadata["capture"] = Capture(
             self.store, session, dialect, asked, sent, requested, sent_params, stream, session.policy_version,
             flow.request.headers.get("x-session-id"))
@@ -214,8 +226,20 @@ class CaptureAddon:
         if capture and capture.stream and flow.response.status_code == 200:
             flow.response.stream = capture.feed
 
+    def _release(self, flow: http.HTTPFlow) -> None:
+        """The call is over (answered or failed): it no longer holds its model (adapter) in use."""
+        capture: Capture | None = flow.metadata.get("capture")
+        if capture is not None and not capture.released:
+            capture.released = True
+            self.store.in_flight[capture.sent["model"]] -= 1
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
     async def response(self, flow: http.HTTPFlow) -> None:
         capture: Capture | None = flow.metadata.get("capture")
+        if capture is not None and capture.finished:
+            self._release(flow)
         if capture is None or capture.finished:
             return
         response = flow.response
@@ -234,22 +258,26 @@ class CaptureAddon:
                 body = b"".join(capture.feed(response.content) + capture.feed(b""))
             else:
                 answer = json.loads(response.content)
+                capture._alias(answer)
                 capture.completion = Completion.from_json(answer)
                 capture.finish()
                 body = json.dumps(capture.dialect.from_chat(answer, capture.asked)).encode()
             flow.response = http.Response.make(200, body, {
                 "content-type": "text/event-stream" if capture.stream else "application/json"})
+            self._release(flow)
             return
         text = response.get_text(strict=False) or ""
         if response.status_code == 400 and "context length" in text.lower():
             flow.response = self.stop_response(capture.dialect, capture.asked, capture.session, CONTEXT_STOP,
                                                capture.stream, f"the prompt does not fit the engine: {text[:300]}")
+            self._release(flow)
             return
         try:
             message = json.loads(text).get("error", {}).get("message") or text
         except (ValueError, AttributeError):
             message = text
         flow.response = json_response(response.status_code, capture.dialect.error(response.status_code, message))
+        self._release(flow)
 
     async def count_tokens(self, flow: http.HTTPFlow) -> http.Response:
         """Anthropic's token count, answered by the engine's own tokenizer and never recorded."""

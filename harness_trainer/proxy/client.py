@@ -68,9 +68,14 @@ class ProxyClient:
     def delete(self, session_id: str) -> dict:
         return self._call("DELETE", f"/sessions/{session_id}")
 
-    def set_policy_version(self, version: int, session_id: str | None = None) -> dict:
+    def set_policy_version(self, version: int, session_id: str | None = None, model: str | None = None) -> dict:
+        """Stamp new calls with `version`; with `model` (a LoRA adapter's name) every new call goes there."""
         path = f"/sessions/{session_id}/policy_version" if session_id else "/policy_version"
-        return self._call("POST", path, json={"policy_version": version})
+        return self._call("POST", path, json={"policy_version": version, **({"model": model} if model else {})})
+
+    def policy_state(self) -> dict:
+        """The current version and model, and how many calls are in flight per model name."""
+        return self._call("GET", "/policy_version")
 
 
 class ProxyServer:

@@ -88,13 +88,20 @@ class ControlRoutes:
                 return _error(400, f"request body is not valid JSON: {exc}")
 
         if parts == ["policy_version"] and method == "POST":
-            version = body.get("policy_version")
+            version, model = body.get("policy_version"), body.get("model")
             if not isinstance(version, int) or isinstance(version, bool):
                 return _error(400, "'policy_version' must be an integer")
-            store.current_version = version  # sessions minted from now on start at this version too
+            if model is not None and not (isinstance(model, str) and model):
+                return _error(400, "'model' must be the name new calls go to (a LoRA adapter's), or absent")
+            # sessions minted from now on start at this version (and model) too
+            store.current_version, store.current_model = version, model or store.current_model
             for session in list(store.sessions.values()):
-                store.set_policy_version(session, version)
-            return json_response(200, {"policy_version": version, "sessions": len(store.sessions)})
+                store.set_policy_version(session, version, model)
+            return json_response(200, {"policy_version": version, "model": store.current_model,
+                                       "sessions": len(store.sessions)})
+        if parts == ["policy_version"] and method == "GET":  # what the trainer needs to unload old adapters
+            return json_response(200, {"policy_version": store.current_version, "model": store.current_model,
+                                       "in_flight": {k: v for k, v in store.in_flight.items() if v}})
         if parts == ["sessions"] and method == "POST":
             return await self._create(flow, body)
         if parts == ["sessions"] and method == "GET":

@@ -40,6 +40,7 @@ class Call:
     message: dict
     finish_reason: str | None
     problem: str | None = None  # why it cannot be trained on
+    model: str = ""  # the model name it was sampled from (a LoRA adapter's name, with the lora sync)
     harness_session_id: str | None = None
     started: float = 0.0
     finished: float = 0.0
@@ -57,6 +58,7 @@ class Session:
     policy: SamplingPolicy = field(default_factory=SamplingPolicy)
     max_model_calls: int | None = None
     policy_version: int = 0
+    sampling_model: str | None = None  # where new calls go (the current LoRA adapter); None: `model`
     metadata: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     calls: list[Call] = field(default_factory=list)
@@ -66,7 +68,7 @@ class Session:
     def summary(self) -> dict:
         return {"id": self.id, "upstream": self.upstream, "model": self.model, "policy": asdict(self.policy),
                 "max_model_calls": self.max_model_calls, "policy_version": self.policy_version,
-                "metadata": self.metadata, "created": self.created, "calls": len(self.calls),
+                "sampling_model": self.sampling_model or self.model, "metadata": self.metadata, "created": self.created, "calls": len(self.calls),
                 "stops": list(self.stops)}
 
     def node_id(self, call: Call) -> str:
@@ -140,7 +142,7 @@ def training_trace(session: Session) -> dict:
             "loss_mask": [0] * len(c["prompt_token_ids"]) + [1] * len(c["completion_token_ids"]),
             "request": c["request"],
             "response": {"choices": [{"message": c["message"], "finish_reason": c["finish_reason"]}]},
-            "metadata": {"node_id": c["node_id"], "index": c["index"], "model": session.model,
+            "metadata": {"node_id": c["node_id"], "index": c["index"], "model": c["model"] or session.model,
                          "n_tools": c["n_tools"], "sampling_params": c["sampling_params"],
                          "requested_sampling_params": c["requested_sampling_params"],
                          "policy_version": c["policy_version"], "harness_session_id": c["harness_session_id"],

@@ -4,7 +4,7 @@ journal/<session id>.jsonl holds one JSON record a line:
   {"t": "session", ...}               created (the session's settings)
   {"t": "call", ...}                  one finished model call, written and fsynced before the agent gets the
                                       answer's last byte
-  {"t": "version", "policy_version"}  the trainer moved the session to a new policy version
+  {"t": "version", "policy_version", "model"}  the trainer moved the session to a new policy version
 A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept.
 """
 
@@ -24,6 +24,8 @@ class SessionStore:
     def __init__(self, journal_dir: str | Path | None = None):
         self.sessions: dict[str, Session] = {}
         self.current_version = 0  # the trainer's latest policy version (POST /policy_version)
+        self.current_model: str | None = None  # the model name new calls go to (a LoRA adapter), if not the served
+        self.in_flight: dict[str, int] = {}  # model name -> calls sent upstream and not yet answered
         self.journal_dir = Path(journal_dir) if journal_dir else None
         if self.journal_dir:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,9 @@ class SessionStore:
                     session.stops.append(record["why"])
                 elif kind == "version" and session:
                     session.policy_version = record["policy_version"]
-                    self.current_version = max(self.current_version, session.policy_version)
+                    session.sampling_model = record.get("model")
+                    if session.policy_version >= self.current_version:
+                        self.current_version, self.current_model = session.policy_version, session.sampling_model
             if session:
                 session.started_calls = len(session.calls)
                 self.sessions[session.id] = session
@@ -73,7 +77,7 @@ class SessionStore:
             raise KeyError(f"session {session_id} already exists")
         session = Session(id=session_id, upstream=upstream.rstrip("/"), model=model,
                           policy=policy or SamplingPolicy(), max_model_calls=max_model_calls,
-                          policy_version=policy_version, metadata=metadata or {})
+                          policy_version=policy_version, sampling_model=self.current_model, metadata=metadata or {})
         self._append(session.id, {"t": "session", **{k: v for k, v in asdict(session).items()
                                                       if k not in ("calls", "started_calls", "stops")}})
         self.sessions[session.id] = session
@@ -90,9 +94,10 @@ class SessionStore:
             session.stops.append(why)
             self._append(session.id, {"t": "stop", "why": why})
 
-    def set_policy_version(self, session: Session, version: int) -> None:
-        session.policy_version = version
-        self._append(session.id, {"t": "version", "policy_version": version})
+    def set_policy_version(self, session: Session, version: int, model: str | None = None) -> None:
+        """From now on the session's calls are stamped `version` and (when given) sent to `model`."""
+        session.policy_version, session.sampling_model = version, model or session.sampling_model
+        self._append(session.id, {"t": "version", "policy_version": version, "model": session.sampling_model})
 
     def delete(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id, None)
