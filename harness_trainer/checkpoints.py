@@ -1,6 +1,6 @@
 """What a run leaves on disk: servable models, resumable checkpoints, and best/.
 
-    checkpoint-N/   model + tokenizer (vLLM serves it), trainer_state.pt (optimizer, RNGs),
+    checkpoint-N/   model + tokenizer (vLLM serves it; with LoRA: the adapter alone), trainer_state.pt (optimizer, RNGs),
                     trainer_state.json (step, policy version, dataset cursor, best/'s bookkeeping)
     best/           with save_best: the model after the step with the best training reward, averaged over
                     the last `window` steps with a reward (one group's mean is too noisy to rank by); written
@@ -20,10 +20,11 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def save_model(model, path: str | Path, model_dir: Path | None) -> Path:
-    """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve."""
+def save_model(model, path: str | Path, model_dir: Path | None, state_dict: dict | None = None) -> Path:
+    """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve. `state_dict`: weights to
+    write instead of the model's own (a LoRA model's merged weights)."""
     path = Path(path)
-    model.save_pretrained(path)
+    model.save_pretrained(path, state_dict=state_dict)
     if model_dir:
         for name in TOKENIZER_FILES:
             if (model_dir / name).exists() and not (path / name).exists():
@@ -74,7 +75,7 @@ def save_checkpoint(trainer, keep: int) -> Path:
     out, step = trainer.out, trainer.step
     tmp = out / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_model(tmp)
+    trainer.save_policy(tmp)
     torch.save({"optimizer": trainer.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                 "rng": trainer.rng.getstate()}, tmp / "trainer_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(
@@ -100,7 +101,13 @@ def load_checkpoint(trainer, path: Path) -> None:
         path = found[-1]
     state = json.loads((path / "trainer_state.json").read_text())
     blob = torch.load(path / "trainer_state.pt", weights_only=False)
-    trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=trainer.dtype).state_dict())
+    if trainer.peft is not None:  # the adapter only; the base weights never changed
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(trainer.peft, load_file(path / "adapter_model.safetensors"))
+    else:
+        trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=trainer.dtype).state_dict())
     trainer.optimizer.load_state_dict(blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
     trainer.rng.setstate(blob["rng"])

@@ -51,6 +51,8 @@ class EngineConfig:
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu: bool | None = None  # None: detect
     extra_args: list[str] = field(default_factory=list)
+    lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (harness_trainer/lora.py)
+    max_loras: int = 4  # adapters held at once: at least max_staleness + 2
     startup_timeout_s: float = 300.0
     log_path: Path | None = None
 
@@ -71,6 +73,10 @@ def server_command(cfg: EngineConfig, gpu: bool) -> list[str]:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     else:
         cmd += ["--dtype", "float32", "--enforce-eager"]
+    if cfg.lora_rank:
+        from harness_trainer.lora import engine_args
+
+        cmd += engine_args(cfg.lora_rank, cfg.max_loras)
     return cmd + list(cfg.extra_args)
 
 
@@ -84,6 +90,10 @@ def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
     })
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    if cfg.lora_rank:
+        from harness_trainer.lora import ENGINE_ENV
+
+        env.update(ENGINE_ENV)
     return env
 
 

@@ -61,6 +61,12 @@ class TrainRunConfig:
     dtype: str = _opt("float32", "weights' dtype in the trainer: float32, or bfloat16 / float16 on GPU "
                                  "(logprobs are float32 either way)")
     gradient_checkpointing: bool = _opt(False, "recompute each layer in the backward: less memory, more time")
+    use_peft: bool = _opt(False, "train a LoRA adapter, synced into vLLM by name (policy-vN), not every weight")
+    lora_rank: int = _opt(16, "LoRA rank r")
+    lora_alpha: int = _opt(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = _opt(0.0, "LoRA dropout (0: the trainer's logprobs match the engine's)")
+    lora_target_modules: str | None = _opt(None, "comma-separated module names (default: the attention and MLP "
+                                                 "projections)")
     save_best: bool = _opt(False, "keep best/ beside final/: the model after the step with the best training "
                                   "reward (mean over 4 steps)")
     max_completion_tokens: int = _opt(256, "cap on tokens per model call")
@@ -154,8 +160,10 @@ def resolve_config(file_values: dict, flag_values: dict) -> TrainRunConfig:
     if cfg.max_tokens_per_microbatch is not None and cfg.max_tokens_per_microbatch < 1:
         raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
                           f"got {cfg.max_tokens_per_microbatch!r}")
+    if cfg.use_peft and not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout!r}")
     for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
-                 "groups_per_step"):
+                 "groups_per_step", "lora_rank"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
     return cfg
@@ -279,7 +287,8 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             engine = attached
         else:
             engine = stack.enter_context(VLLMServer(EngineConfig(
-                model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log")))
+                model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log",
+                lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2)))
         host = "0.0.0.0" if cfg.public_url else "127.0.0.1"  # remote sandboxes reach it from outside
         proxy = stack.enter_context(ProxyServer(engine.url, model=engine.model_name, port=cfg.proxy_port, host=host,
                                                 journal=out / "journal", log_path=out / "proxy.log"))
@@ -298,7 +307,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             lr_scheduler_type=cfg.lr_scheduler_type, behaviour_clip=cfg.behaviour_clip, save_best=cfg.save_best,
             step_clip=cfg.step_clip, max_step_kl=cfg.max_step_kl,
             max_tokens_per_microbatch=cfg.max_tokens_per_microbatch, torch_dtype=cfg.dtype,
-            gradient_checkpointing=cfg.gradient_checkpointing)
+            gradient_checkpointing=cfg.gradient_checkpointing, use_peft=cfg.use_peft, lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+            lora_target_modules=cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None)
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), factory, args, tasks, rollout_reward_fn=reward_fn,
                                           callbacks=[*(callbacks or []), reporter])
         reporter.start()

@@ -27,6 +27,7 @@ region for fresh tokens and the collapse warnings: harness_trainer/stability.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -49,6 +50,7 @@ from harness_trainer.distributed import all_reduce, all_reduce_gradients, broadc
 from harness_trainer.engine import teacher_forced_logprobs
 from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
+from harness_trainer.lora import LoraSettings, LoraSync, add_lora, merged_state_dict
 from harness_trainer.rewards import resolve_reward_fn, score
 from harness_trainer.rows import chains_from_trace, pack
 from harness_trainer.stability import StabilityMonitor, bound_step
@@ -73,7 +75,8 @@ class AsyncGRPOConfig:
     temperature: float = 1.0
     max_completion_tokens: int = 256
     weight_sync_steps: int = 1
-    weight_sync_backend: str = "reload"  # reload (any vLLM, CPU included) or nccl (GPU)
+    weight_sync_backend: str | None = None  # reload (any vLLM, CPU included), lora, nccl (GPU); None: lora with
+    #                                          use_peft, else reload
     weight_sync_timeout_s: float = 120.0
     probe_tolerance: float | None = None  # max |logprob gap| vLLM vs trainer; None: 1e-3 (float32), 5e-2 (16-bit)
     logging_steps: int = 1
@@ -100,6 +103,11 @@ class AsyncGRPOConfig:
     seed: int = 0
     shuffle_dataset: bool = True
     resume_from_checkpoint: str | None = None
+    use_peft: bool = False  # train a LoRA adapter (harness_trainer/lora.py) instead of every weight
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0  # > 0 would make the trainer's logprobs noisy next to vLLM's
+    lora_target_modules: list[str] | None = None  # None: the attention and MLP projections
 
 
 class TrainingStopped(RuntimeError):
@@ -114,18 +122,26 @@ class HarnessAsyncGRPOTrainer:
         from transformers import AutoModelForCausalLM
 
         self.args = args
-        if args.weight_sync_backend == "nccl" and not torch.cuda.is_available():
+        self.backend = args.weight_sync_backend or ("lora" if args.use_peft else "reload")
+        if self.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("weight_sync_backend='nccl' streams weights GPU to GPU and needs CUDA on the trainer and "
                              "vLLM on the same host; this machine has no CUDA device. Use weight_sync_backend='reload'.")
-        if args.weight_sync_backend not in ("reload", "nccl"):
-            raise ValueError(f"unknown weight_sync_backend '{args.weight_sync_backend}': choose reload or nccl")
-        if args.weight_sync_backend == "nccl":
+        if self.backend not in ("reload", "lora", "nccl"):
+            raise ValueError(f"unknown weight_sync_backend '{self.backend}': choose reload, lora or nccl")
+        if (self.backend == "lora") != args.use_peft:
+            raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
+                             "full weights by reload")
+        if self.backend == "nccl":
             raise NotImplementedError("the nccl weight-sync backend is not built yet; use weight_sync_backend='reload', "
                                       "which works on GPU too")
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_dtype(args.torch_dtype)) if self.model_dir \
             else model
         self.dtype = next(self.model.parameters()).dtype
+        # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
+        self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
+                                                      args.lora_target_modules)) if args.use_peft else None
+        self.lora_sync: LoraSync | None = None
         use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -134,8 +150,11 @@ class HarnessAsyncGRPOTrainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self.model.to(self.device)
-        # A frozen copy of the starting policy, only when the loss has a KL term to it.
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.kl_beta else None
+        # A frozen copy of the starting policy, only when the loss has a KL term to it (with LoRA: the same
+        # model with its adapter disabled).
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) \
+            if args.kl_beta and not self.peft else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
         # The trainer owns the sampling policy and hands it to the factory before any session starts
         # (on rank 0 only: the other ranks never run a rollout).
         self.factory = harness_session_factory(
@@ -147,7 +166,7 @@ class HarnessAsyncGRPOTrainer:
         self.reward_fn = resolve_reward_fn(rollout_reward_fn)
         self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
                                    args.kl_beta, args.behaviour_clip)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate)
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
         self.lr_at = _schedule(self.optimizer, args)
         self.monitor = StabilityMonitor()
         self.step, self.version, self.task_cursor = 0, 0, 0
@@ -256,9 +275,9 @@ class HarnessAsyncGRPOTrainer:
             adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
             behaviour = tree.behaviour[tree.trained].to(self.device)
             reference = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    reference = tree_logprobs(self.ref_model, tree, temperature, max_tokens=budget)
+            if self.args.kl_beta:
+                with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
+                    reference = tree_logprobs(self.ref_model or self.model, tree, temperature, max_tokens=budget)
 
             def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
                 # One update per batch: the proximal policy is the model as it is now, so its logprobs are
@@ -274,15 +293,15 @@ class HarnessAsyncGRPOTrainer:
                       "microbatches": len(plan_ranges(tree, budget))}
         if self.world_size > 1:
             loss = all_reduce_gradients(self.model, loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.args.max_grad_norm)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = metrics["lr"]
         bounded = self.args.step_clip is not None or self.args.max_step_kl is not None
-        before = [p.detach().clone() for p in self.model.parameters()] if bounded else None
+        before = [p.detach().clone() for p in self.params] if bounded else None
         self.optimizer.step()
         if before is not None:  # the trust region for fresh tokens (harness_trainer/stability.py)
             old = None if logp is None else logp.detach()
-            stats |= bound_step(list(self.model.parameters()), before, lambda: self._step_change(tree, old),
+            stats |= bound_step(self.params, before, lambda: self._step_change(tree, old),
                                 self._within_trust_region)
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total}
@@ -314,26 +333,36 @@ class HarnessAsyncGRPOTrainer:
         url = self.args.vllm_server_base_url
         if not url:
             raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
-        directory = ram_dir()
-        started = time.perf_counter()
+        started, name = time.perf_counter(), None
         try:
-            save_weights(self.model, directory)
-            reload_weights(url, directory, version=self.version + 1, timeout_s=self.args.weight_sync_timeout_s)
+            if self.peft is not None:  # the adapter, by name, beside the ones still in use (lora.py)
+                self.lora_sync = self.lora_sync or LoraSync(url, self.args.weight_sync_timeout_s)
+                name = self.lora_sync.load(self.peft, self.version + 1)
+            else:
+                directory = ram_dir()
+                try:
+                    save_weights(self.model, directory)
+                    reload_weights(url, directory, version=self.version + 1, timeout_s=self.args.weight_sync_timeout_s)
+                finally:
+                    shutil.rmtree(directory, ignore_errors=True)
         except WeightSyncError as exc:
             raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
         self.version += 1
         proxy = getattr(self.factory, "proxy", None)
         if proxy is not None:
-            proxy.set_policy_version(self.version)
-        self._probe(url)
+            proxy.set_policy_version(self.version, model=name)
+        self._probe(url, name)
+        if self.lora_sync is not None and proxy is not None:  # adapters no rollout may still sample from
+            try:
+                self.lora_sync.unload_idle(self.version - self.args.max_staleness, proxy.policy_state()["in_flight"])
+            except WeightSyncError as exc:
+                raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
         return time.perf_counter() - started
 
-    def _probe(self, url: str) -> None:
-        """vLLM must now score a fixed sequence exactly as the trainer's weights do."""
+    def _probe(self, url: str, model: str | None = None) -> None:
+        """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""
         ids = [1, 10, 20, 30, 40, 50, 60, 70, 2]
-        served = torch.tensor(teacher_forced_logprobs(url, ids))
+        served = torch.tensor(teacher_forced_logprobs(url, ids, model=model))
         with torch.no_grad():
             self.model.eval()
             logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].cpu()
@@ -350,8 +379,20 @@ class HarnessAsyncGRPOTrainer:
     # ---- checkpoints (harness_trainer/checkpoints.py) ------------------------------------------------------
 
     def save_model(self, path: str | Path) -> Path:
-        """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve."""
-        return save_model(self.model, path, self.model_dir)
+        """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve (with LoRA: the merged
+        model, and the adapter in adapter/)."""
+        if self.peft is None:
+            return save_model(self.model, path, self.model_dir)
+        path = save_model(self.model, path, self.model_dir, state_dict=merged_state_dict(self.model))
+        self.peft.save_pretrained(path / "adapter")
+        return path
+
+    def save_policy(self, path: str | Path) -> Path:
+        """What a checkpoint holds of the policy: the adapter with LoRA, else the whole servable model."""
+        if self.peft is None:
+            return self.save_model(path)
+        self.peft.save_pretrained(path)
+        return Path(path)
 
     def _save(self) -> Path:
         return save_checkpoint(self, self.args.save_total_limit)
@@ -366,6 +407,8 @@ class HarnessAsyncGRPOTrainer:
         finally:
             if self.world_size > 1:
                 broadcast(None)  # releases the other ranks, on success or error
+            if self.lora_sync is not None:
+                self.lora_sync.close()
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
@@ -412,6 +455,7 @@ class HarnessAsyncGRPOTrainer:
                     self.step += 1
                     if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
                         metrics["weight_sync_time_s"] = self.sync_weights()
+                        metrics["probe_gap"] = self.last_probe_gap
                         metrics["cancelled_in_flight"] = self._cancel_stale(pending)
                     metrics.update(step=self.step, version=self.version, task=",".join(tasks))
                     if warnings := self.monitor.check(metrics):

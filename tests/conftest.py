@@ -1,6 +1,7 @@
 """One tiny model and one real vLLM server for the whole test session.
 
-Set HARNESS_TEST_VLLM_URL to attach to a server you already run (it must serve the tiny model as 'tiny'),
+Set HARNESS_TEST_VLLM_URL to attach to a server you already run (it must serve the tiny model as 'tiny', with
+LoRA on: EngineConfig(lora_rank=8, max_loras=4)),
 which saves the minute vLLM takes to start on 2 cores.
 """
 
@@ -31,8 +32,9 @@ def engine(tiny_model_dir, tmp_path_factory):
     if url := os.environ.get("HARNESS_TEST_VLLM_URL"):
         yield VLLMServer.attach(url)
         return
+    # LoRA on (adapters up to rank 8, tests/test_lora.py): base-model calls and full-weight reloads are unchanged
     cfg = EngineConfig(model=str(tiny_model_dir), served_model_name="tiny", max_model_len=32768,
-                       log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
+                       log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=8, max_loras=4)
     with VLLMServer(cfg) as server:
         yield server
 
