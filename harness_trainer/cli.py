@@ -75,7 +75,10 @@ def _sft(args: argparse.Namespace) -> int:
     final = run_sft(SFTRunConfig(traces=args.traces, model=args.model, output_dir=args.output_dir,
                                  num_train_epochs=args.epochs, learning_rate=args.learning_rate,
                                  per_device_train_batch_size=args.batch_size, only_rewarded=args.only_rewarded,
-                                 seed=args.seed))
+                                 seed=args.seed, use_peft=args.use_peft, lora_rank=args.lora_rank,
+                                 lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                 lora_target_modules=args.lora_target_modules.split(",")
+                                 if args.lora_target_modules else None))
     print(f"SFT model (Hugging Face format, servable by vLLM): {final}")
     return 0
 
@@ -327,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
     sft.add_argument("--only-rewarded", action="store_true", help="keep only rollouts whose reward was >= 1")
     sft.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
+    sft.add_argument("--use-peft", action="store_true", help="train a LoRA adapter; final/ is the merged model")
+    sft.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r")
+    sft.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha (the update is scaled by alpha / r)")
+    sft.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
+    sft.add_argument("--lora-target-modules", default=None, help="comma-separated module names (default: the "
+                                                                  "attention and MLP projections)")
     sft.set_defaults(func=_sft)
 
     _add_jobs_parser(sub)

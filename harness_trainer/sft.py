@@ -33,6 +33,11 @@ class SFTRunConfig:
     lr_scheduler_type: str = "cosine"
     only_rewarded: bool = False  # keep only rollouts whose reward was >= 1 (needs rollouts.jsonl next to traces)
     seed: int = 0
+    use_peft: bool = False  # a LoRA adapter (harness_trainer/lora.py); final/ is then merged, adapter/ beside it
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
 
 
 def trace_files(where: str | Path) -> list[Path]:
@@ -76,13 +81,17 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from harness_trainer.checkpoints import save_model
     from harness_trainer.engine import check_model_dir
+    from harness_trainer.lora import LoraSettings, add_lora, merged_state_dict
     from harness_trainer.tiny_model import ensure_tiny_model
 
     model_dir = str(check_model_dir(cfg.model)) if cfg.model else str(ensure_tiny_model())
     rows = sft_rows(cfg.traces, cfg.only_rewarded)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = add_lora(model, LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)) \
+        if cfg.use_peft else None
     out = Path(cfg.output_dir)
     gpu = torch.cuda.is_available()
     args = SFTConfig(output_dir=str(out), num_train_epochs=cfg.num_train_epochs, learning_rate=cfg.learning_rate,
@@ -93,10 +102,15 @@ def run_sft(cfg: SFTRunConfig) -> Path:
                      # TRL defaults to bf16 and gradient checkpointing: on a CPU, bf16 matmuls are ~10x slower
                      # than float32, and the tiny model needs no activation memory savings.
                      bf16=gpu, gradient_checkpointing=gpu)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer = SFTTrainer(model=peft or model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer)
     result = trainer.train()
     final = out / "final"
-    trainer.save_model(str(final))
+    if peft is None:
+        trainer.save_model(str(final))
+    else:  # servable alone (GRPO and vLLM start from it), the adapter beside it
+        save_model(model, final, Path(model_dir), state_dict=merged_state_dict(model))
+        peft.save_pretrained(final / "adapter")
     tokenizer.save_pretrained(final)
     summary = {"rows": len(rows), "trained_tokens": sum(sum(r["completion_mask"]) for r in rows),
                "train_loss": result.training_loss, "steps": result.global_step, "model": str(final),
