@@ -38,6 +38,7 @@ TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent
 # trainer's default trust region (step_clip 0.2, max_step_kl 0.01, behaviour_clip): without it this lr let one
 # step move the policy by a KL of 0.4 and the run collapse; with it the trainer takes ~1/4 of each step.
 GRPO = dict(num_generations=8, max_concurrent_rollouts=16, learning_rate=3e-4, save_best=True)
+LORA_LR_FACTOR = 10  # with --lora-rank both stages train an adapter at 10x the full-weight learning rate (common)
 EVAL = dict(harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-heldout", step_limit=3,
             max_tokens=64, temperature=TEMPERATURE, concurrency=4)
 
@@ -58,7 +59,7 @@ def table(rows: list[tuple[str, EvalSummary]]) -> str:
     return "\n".join(lines)
 
 
-def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float) -> tuple[Path, list, dict]:
+def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float, lora_rank: int = 0) -> tuple[Path, list, dict]:
     """(a)-(d): the base model's eval, solver traces, SFT on them, the SFT model's eval."""
     from harness_trainer.sft import SFTRunConfig, run_sft
     from harness_trainer.tiny_model import ensure_tiny_model
@@ -81,14 +82,15 @@ def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float) -> tuple[Pa
     print("(c) SFT on the solver traces", flush=True)
     t = time.monotonic()
     sft = run_sft(SFTRunConfig(traces=str(out / "solver"), model=str(base), output_dir=str(out / "sft"),
-                               num_train_epochs=sft_epochs, learning_rate=1e-3, per_device_train_batch_size=8,
-                               lr_scheduler_type="constant_with_warmup"))
+                               num_train_epochs=sft_epochs, learning_rate=1e-3 * (LORA_LR_FACTOR if lora_rank else 1),
+                               per_device_train_batch_size=8, lr_scheduler_type="constant_with_warmup",
+                               use_peft=bool(lora_rank), lora_rank=lora_rank or 16))
     timings["c_sft_s"] = time.monotonic() - t
     return Path(sft), rows, timings
 
 
 def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, grpo_steps: int,
-               seed: int) -> tuple[EvalSummary, dict]:
+               seed: int, lora_rank: int = 0) -> tuple[EvalSummary, dict]:
     """(e)-(f): GRPO from the SFT model with run_training, then the eval of its final model."""
     from harness_trainer.train import TrainRunConfig, run_training
 
@@ -98,7 +100,8 @@ def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, g
         harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-train", model=str(sft),
         vllm_url=engine_url, max_steps=grpo_steps, temperature=TEMPERATURE, max_completion_tokens=64,
         agent_step_limit=3, save_steps=grpo_steps, seed=seed, output_dir=str(out), report_to="none",
-        **GRPO))
+        **GRPO | ({"use_peft": True, "lora_rank": lora_rank, "learning_rate": GRPO["learning_rate"] * LORA_LR_FACTOR}
+                  if lora_rank else {})))
     grpo_s = time.monotonic() - t
     print("(f) SFT+GRPO model on the held-out tasks", flush=True)
     t = time.monotonic()
@@ -108,12 +111,12 @@ def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, g
 
 
 def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float,
-              sft_model: Path | None = None, seeds: tuple[int, ...] = (0,)) -> list:
+              sft_model: Path | None = None, seeds: tuple[int, ...] = (0,), lora_rank: int = 0) -> list:
     """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model."""
     started = time.monotonic()
     rows, timings = [], {}
     if sft_model is None:
-        sft_model, rows, timings = sft_stage(out, engine_url, n, sft_epochs)
+        sft_model, rows, timings = sft_stage(out, engine_url, n, sft_epochs, lora_rank)
     print("(d) SFT model on the held-out tasks", flush=True)
     t = time.monotonic()
     reload_weights(engine_url, sft_model, version=0)
@@ -123,12 +126,13 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
     for seed in seeds:
         # one seed: grpo/ and eval-grpo/ as before; several: grpo-seedN/ holding its own eval-grpo/
         where, eval_root = (out / "grpo", out) if len(seeds) == 1 else (out / f"grpo-seed{seed}",) * 2
-        result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, grpo_steps, seed)
+        result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, grpo_steps, seed, lora_rank)
         rows.append(("SFT + GRPO" if len(seeds) == 1 else f"SFT + GRPO, seed {seed}", result))
         runs[seed] = info
     timings["total_s"] = time.monotonic() - started
     result = {"table": {name: asdict(s) for name, s in rows}, "timings_s": {k: round(v, 1) for k, v in timings.items()},
-              "sft_model": str(sft_model), "grpo": runs, "grpo_config": GRPO, "eval_rollouts_per_task": n}
+              "sft_model": str(sft_model), "grpo": runs, "grpo_config": GRPO, "eval_rollouts_per_task": n,
+              "lora_rank": lora_rank}
     (out / "proof.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "proof.md").write_text(table(rows) + "\n" + spread(rows) + "\n")
     return rows
@@ -157,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-model", default=None,
                         help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
                              "and the GRPO stage")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank in both stages (lr x10), synced by name (default: 0, "
+                             "every weight)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="run the GRPO stage once per seed, from the same SFT model (default: 0)")
     args = parser.parse_args(argv)
@@ -176,10 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.tiny_model import ensure_tiny_model
 
     if args.vllm_url:
-        rows = run_proof(out, args.vllm_url, args.n, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds))
+        rows = run_proof(out, args.vllm_url, args.n, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds),
+                         args.lora_rank)
     else:
-        with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), log_path=out / "vllm.log")) as engine:
-            rows = run_proof(out, engine.url, args.n, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds))
+        with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), log_path=out / "vllm.log",
+                                     lora_rank=args.lora_rank)) as engine:
+            rows = run_proof(out, engine.url, args.n, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds),
+                             args.lora_rank)
     print("\nThe embedded default, held-out toy tasks (pairs of word and file never seen together in training):")
     print(table(rows))
     print(spread(rows))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from harness_trainer.adapters.tasks import TaskError, load_dataset, load_task
 from harness_trainer.adapters.verifier import verify
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.rewards import RewardError, resolve_reward_fn, score
+from stubs import StubHandler
 
 # ---- tasks -------------------------------------------------------------------------------------------------
 
@@ -213,19 +214,11 @@ def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
     with pytest.raises(CaptureContractError, match="breaks the TrainingTrace contract"):
         run_rollout(command_factory(proxy, tmp_path, "true", client=broken), toy())
 
-class FiveHundred(BaseHTTPRequestHandler):
+class FiveHundred(StubHandler):
     """A stub engine for fault injection (the real one cannot be made to fail on demand): every call is a 500."""
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length") or 0))
-        body = b'{"error": {"message": "injected engine failure", "code": 500}}'
-        self.send_response(500)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.send_json(500, b'{"error": {"message": "injected engine failure", "code": 500}}')
 
 
 class UpstreamClient(ProxyClient):

@@ -8,7 +8,7 @@ import json
 import threading
 import time
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -21,6 +21,7 @@ from harness_trainer.lora import LoraSync
 from harness_trainer.engine import teacher_forced_logprobs
 from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
 from harness_trainer.weight_sync import reload_weights
+from stubs import StubHandler
 
 
 def served_adapters(engine) -> set[str]:
@@ -132,19 +133,11 @@ def test_lora_resume_restores_the_adapter_and_optimizer_exactly(tiny_model_dir, 
     assert all(torch.equal(state_a[k]["exp_avg"], state_b[k]["exp_avg"]) for k in state_a)
 
 
-class NoLoraEngine(BaseHTTPRequestHandler):
+class NoLoraEngine(StubHandler):
     """Stands in for a vLLM started without LoRA (a second real engine would double the session's engines):
     FastAPI's own 404 for the route VLLM_ALLOW_RUNTIME_LORA_UPDATING did not add."""
     def do_POST(self):
-        body = b'{"detail":"Not Found"}'
-        self.send_response(404)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.send_json(404, b'{"detail":"Not Found"}')
 
 
 def test_lora_needs_an_engine_with_lora_and_its_own_sync(tiny_model_dir, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import anthropic
 import httpx
@@ -15,6 +15,7 @@ import pytest
 from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer.proxy.client import ProxyServer
+from stubs import StubHandler
 
 BASH = {"name": "bash", "description": "run a command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
@@ -124,7 +125,7 @@ def test_dialect_budget_stops_are_in_the_agents_dialect(proxy):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Step budget exhausted; stopping."
 
 
-class FlakyUpstream(BaseHTTPRequestHandler):
+class FlakyUpstream(StubHandler):
     """A stub upstream for fault injection (a real vLLM cannot be made to fail on demand): answers 503
     `failures` times, then forwards to the real engine."""
     failures = 0
@@ -132,12 +133,7 @@ class FlakyUpstream(BaseHTTPRequestHandler):
     engine_url = ""
 
     def do_GET(self):
-        body = httpx.get(self.engine_url + self.path, timeout=30).content
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_json(200, httpx.get(self.engine_url + self.path, timeout=30).content)
 
     def do_POST(self):
         payload = self.rfile.read(int(self.headers["content-length"]))
@@ -150,14 +146,7 @@ class FlakyUpstream(BaseHTTPRequestHandler):
             answer = httpx.post(self.engine_url + self.path, content=payload, timeout=60,
                                 headers={"content-type": "application/json"})
             status, body = answer.status_code, answer.content
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.send_json(status, body)
 
 
 def test_upstream_faults_are_retried_then_passed_through(engine, tmp_path):
@@ -184,7 +173,7 @@ def test_upstream_faults_are_retried_then_passed_through(engine, tmp_path):
         stub.shutdown()
 
 
-class CutStreamUpstream(BaseHTTPRequestHandler):
+class CutStreamUpstream(StubHandler):
     """A stub upstream for fault injection: relays the real engine's stream for `keep` events, then either
     drops the connection mid-body (an engine that died: no terminating chunk) or sends vLLM's in-stream error
     event and [DONE]."""
@@ -211,9 +200,6 @@ class CutStreamUpstream(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
         self.close_connection = True  # "cut": closed with no terminating chunk
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.mark.parametrize("mode", ["cut", "error"])
