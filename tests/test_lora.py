@@ -36,7 +36,7 @@ def lora_engine(engine, proxy, tiny_model_dir):
     reload_weights(engine, tiny_model_dir, version=0)
     for name in served_adapters(engine):
         httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
-    proxy.client.set_policy_version(0, model="tiny")
+    proxy.client.set_policy_version(0)
 
 
 def lora_config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:

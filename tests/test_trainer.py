@@ -15,6 +15,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness_trainer.adapters.harnesses import CommandHarness
@@ -52,10 +53,15 @@ def say_task(root: Path, name: str = "say", instruction: str = "Say something.")
 
 
 @pytest.fixture
-def fresh_engine(engine, tiny_model_dir):
-    """The session's engine, given back with the tiny model's own weights after the test."""
+def fresh_engine(engine, proxy, tiny_model_dir):
+    """The session's engine, given back with the tiny model's own weights (and no adapter) after the test, the
+    proxy back on the served model."""
     yield engine
     reload_weights(engine, tiny_model_dir, version=0)
+    for model in httpx.get(engine.url + "/v1/models", timeout=10).json()["data"]:
+        if model.get("parent"):
+            httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30)
+    proxy.client.set_policy_version(0)
 
 
 def config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:
@@ -150,19 +156,21 @@ RUN = textwrap.dedent("""
     from harness_trainer.adapters.tasks import load_task
     from harness_trainer.proxy.client import ProxyClient
     from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
-    engine, proxy, key, model, task, out, script, resume = sys.argv[1:9]
+    engine, proxy, key, model, task, out, script, lora, resume = sys.argv[1:10]
     factory = partial(LocalSessionFactory, proxy=ProxyClient(proxy, key),
                       harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"), output_dir=out + "/r")
     HarnessAsyncGRPOTrainer(model, factory, AsyncGRPOConfig(
         output_dir=out + "/run", vllm_server_base_url=engine, num_generations=2, max_concurrent_rollouts=2,
-        max_steps=5, save_steps=1, learning_rate=1e-3, resume_from_checkpoint=resume or None), [load_task(task)]).train()
+        max_steps=5, save_steps=1, learning_rate=1e-3, resume_from_checkpoint=resume or None,
+        use_peft=lora == "lora", lora_rank=8), [load_task(task)]).train()
 """)
 
 
-def test_kill_and_resume_trains_every_step_exactly_once(fresh_engine, proxy, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("weights", ["full", "lora"])
+def test_kill_and_resume_trains_every_step_exactly_once(fresh_engine, proxy, tiny_model_dir, tmp_path, weights):
     task = say_task(tmp_path)
     argv = [sys.executable, "-c", RUN, fresh_engine.url, proxy.url, proxy.admin_key, str(tiny_model_dir),
-            str(task), str(tmp_path), SAY]
+            str(task), str(tmp_path), SAY, weights]
     first = subprocess.Popen(argv + [""], start_new_session=True)
     deadline = time.monotonic() + 240
     while not (tmp_path / "run" / "checkpoint-2").exists():
@@ -171,8 +179,12 @@ def test_kill_and_resume_trains_every_step_exactly_once(fresh_engine, proxy, tin
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     subprocess.run(argv + [str(tmp_path / "run" / "latest")], check=True, timeout=300)
-    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in metrics]
     assert steps == sorted(set(steps)) and steps[-1] == 5 and set(range(3, 6)) <= set(steps)
+    if weights == "lora":  # the resumed run went on syncing adapters by name, each probed
+        assert all(m["probe_gap"] < 1e-3 for m in metrics)
+        assert (tmp_path / "run" / "checkpoint-5" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.slow

@@ -92,9 +92,10 @@ class ControlRoutes:
             if not isinstance(version, int) or isinstance(version, bool):
                 return _error(400, "'policy_version' must be an integer")
             if model is not None and not (isinstance(model, str) and model):
-                return _error(400, "'model' must be the name new calls go to (a LoRA adapter's), or absent")
+                return _error(400, "'model' must be the name new calls go to (a LoRA adapter's), or absent "
+                                   "(the served model)")
             # sessions minted from now on start at this version (and model) too
-            store.current_version, store.current_model = version, model or store.current_model
+            store.current_version, store.current_model = version, model
             for session in list(store.sessions.values()):
                 store.set_policy_version(session, version, model)
             return json_response(200, {"policy_version": version, "model": store.current_model,

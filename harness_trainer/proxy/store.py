@@ -95,8 +95,8 @@ class SessionStore:
             self._append(session.id, {"t": "stop", "why": why})
 
     def set_policy_version(self, session: Session, version: int, model: str | None = None) -> None:
-        """From now on the session's calls are stamped `version` and (when given) sent to `model`."""
-        session.policy_version, session.sampling_model = version, model or session.sampling_model
+        """From now on the session's calls are stamped `version` and sent to `model` (None: its served model)."""
+        session.policy_version, session.sampling_model = version, model
         self._append(session.id, {"t": "version", "policy_version": version, "model": session.sampling_model})
 
     def delete(self, session_id: str) -> bool:
