@@ -333,31 +333,37 @@ class HarnessAsyncGRPOTrainer:
         url = self.args.vllm_server_base_url
         if not url:
             raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
-        started, name = time.perf_counter(), None
-        try:
-            if self.peft is not None:  # the adapter, by name, beside the ones still in use (lora.py)
-                self.lora_sync = self.lora_sync or LoraSync(url, self.args.weight_sync_timeout_s)
-                name = self.lora_sync.load(self.peft, self.version + 1)
-            else:
-                directory = ram_dir()
-                try:
-                    save_weights(self.model, directory)
-                    reload_weights(url, directory, version=self.version + 1, timeout_s=self.args.weight_sync_timeout_s)
-                finally:
-                    shutil.rmtree(directory, ignore_errors=True)
-        except WeightSyncError as exc:
-            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+        started = time.perf_counter()
+        name = self._sync_step(lambda: self._load_weights(url))
         self.version += 1
         proxy = getattr(self.factory, "proxy", None)
         if proxy is not None:
             proxy.set_policy_version(self.version, model=name)
         self._probe(url, name)
         if self.lora_sync is not None and proxy is not None:  # adapters no rollout may still sample from
-            try:
-                self.lora_sync.unload_idle(self.version - self.args.max_staleness, proxy.policy_state()["in_flight"])
-            except WeightSyncError as exc:
-                raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+            self._sync_step(lambda: self.lora_sync.unload_idle(self.version - self.args.max_staleness,
+                                                               proxy.policy_state()["in_flight"]))
         return time.perf_counter() - started
+
+    def _sync_step(self, step):
+        """Run one weight-sync step; its failure stops the run with the step's own message."""
+        try:
+            return step()
+        except WeightSyncError as exc:
+            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+
+    def _load_weights(self, url: str) -> str | None:
+        """The next version into the engine: the adapter by name (lora.py; returns it), or every weight."""
+        if self.peft is not None:
+            self.lora_sync = self.lora_sync or LoraSync(url, self.args.weight_sync_timeout_s)
+            return self.lora_sync.load(self.peft, self.version + 1)
+        directory = ram_dir()
+        try:
+            save_weights(self.model, directory)
+            reload_weights(url, directory, version=self.version + 1, timeout_s=self.args.weight_sync_timeout_s)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return None
 
     def _probe(self, url: str, model: str | None = None) -> None:
         """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""

@@ -47,3 +47,19 @@ def proxy(engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("proxy")
     with ProxyServer(engine.url, journal=root / "journal", log_path=root / "proxy.log") as server:
         yield server
+
+
+@pytest.fixture
+def fresh_engine(engine, proxy, tiny_model_dir):
+    """The session's engine, given back with the tiny model's own weights and no LoRA adapter after the test, and
+    the proxy back on the served model (for tests that sync weights into it)."""
+    import httpx
+
+    from harness_trainer.weight_sync import reload_weights
+
+    yield engine
+    reload_weights(engine, tiny_model_dir, version=0)
+    for model in httpx.get(engine.url + "/v1/models", timeout=10).json()["data"]:
+        if model.get("parent"):
+            httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30)
+    proxy.client.set_policy_version(0)

@@ -28,17 +28,6 @@ def served_adapters(engine) -> set[str]:
     return {m["id"] for m in httpx.get(engine.url + "/v1/models", timeout=10).json()["data"] if m.get("parent")}
 
 
-@pytest.fixture
-def lora_engine(engine, proxy, tiny_model_dir):
-    """The session's engine, with every adapter a test loaded unloaded again, its own weights back, and the
-    proxy back on the base model."""
-    yield engine
-    reload_weights(engine, tiny_model_dir, version=0)
-    for name in served_adapters(engine):
-        httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
-    proxy.client.set_policy_version(0)
-
-
 def lora_config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:
     base = dict(output_dir=str(tmp_path / "run"), vllm_server_base_url=engine.url, num_generations=2,
                 max_concurrent_rollouts=2, max_steps=2, learning_rate=1e-2, max_completion_tokens=16, save_steps=1,
@@ -46,12 +35,12 @@ def lora_config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(**base | overrides)
 
 
-def test_lora_async_steps_with_mini_swe_agent(lora_engine, proxy, tiny_model_dir, tmp_path):
+def test_lora_async_steps_with_mini_swe_agent(fresh_engine, proxy, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     factory = partial(LocalSessionFactory, proxy=proxy.client, harness="mini-swe-agent",
                       output_dir=tmp_path / "rollouts", step_limit=2)
-    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, lora_config(tmp_path, lora_engine),
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, lora_config(tmp_path, fresh_engine),
                                       load_dataset("builtin:toy-train")[:2])
     history = trainer.train()
     assert [h["version"] for h in history] == [2, 3] and all(h["probe_gap"] < 1e-3 for h in history)
@@ -60,7 +49,7 @@ def test_lora_async_steps_with_mini_swe_agent(lora_engine, proxy, tiny_model_dir
     assert turns and all(t["metadata"]["model"] == f"policy-v{t['metadata']['policy_version']}" for t in turns)
     assert {t["metadata"]["policy_version"] for t in turns} <= {1, 2}
     # max_staleness 1: after syncing v3 no rollout may sample from v1 any more, and no call did
-    assert "policy-v1" not in served_adapters(lora_engine) and "policy-v3" in served_adapters(lora_engine)
+    assert "policy-v1" not in served_adapters(fresh_engine) and "policy-v3" in served_adapters(fresh_engine)
     checkpoint = tmp_path / "run" / "checkpoint-2"
     assert (checkpoint / "adapter_model.safetensors").exists() and not (checkpoint / "model.safetensors").exists()
     # final/: a merged model that scores like the trainer's adapted one, and the adapter beside it
@@ -71,18 +60,18 @@ def test_lora_async_steps_with_mini_swe_agent(lora_engine, proxy, tiny_model_dir
         adapted = trainer.model(ids).logits
     assert float((merged - adapted).abs().max()) < 1e-4 and (final / "adapter" / "adapter_config.json").exists()
     # ... and vLLM serving that folder (loaded as its base weights) scores like the adapted trainer too
-    reload_weights(lora_engine, final, version=99)
-    served = torch.tensor(teacher_forced_logprobs(lora_engine, ids[0].tolist(), model="tiny"))
+    reload_weights(fresh_engine, final, version=99)
+    served = torch.tensor(teacher_forced_logprobs(fresh_engine, ids[0].tolist(), model="tiny"))
     ours = torch.log_softmax(adapted[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
     assert float((served.double() - ours).abs().max()) < 1e-4
 
 
-def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(lora_engine, proxy, tiny_model_dir, tmp_path):
+def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, proxy, tiny_model_dir, tmp_path):
     """A stream sampled from policy-v1 while v2 is loaded and published: it stays v1 (and v1 is not unloaded
     while it runs); the next call is v2; the agent sees its own model name throughout."""
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: None,
-                                      lora_config(tmp_path, lora_engine), ["unused"])
-    sync = LoraSync(lora_engine.url)
+                                      lora_config(tmp_path, fresh_engine), ["unused"])
+    sync = LoraSync(fresh_engine.url)
     proxy.client.set_policy_version(1, model=sync.load(trainer.peft, 1))
     session = proxy.client.create_session()
     headers = {"authorization": f"Bearer {session['api_key']}"}
@@ -109,7 +98,7 @@ def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(lora_engine, pro
     assert '"model":"tiny"' in seen[0] and "policy-v" not in seen[0] and second["model"] == "tiny"
     assert proxy.client.policy_state()["in_flight"] == {}
     assert sync.unload_idle(2, {}) == [1]
-    assert served_adapters(lora_engine) == {"policy-v2"}
+    assert served_adapters(fresh_engine) == {"policy-v2"}
     sync.close()
 
 

@@ -15,7 +15,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import httpx
 import pytest
 
 from harness_trainer.adapters.harnesses import CommandHarness
@@ -23,7 +22,6 @@ from harness_trainer.adapters.session import CaptureContractError, LocalSessionF
 from harness_trainer.adapters.tasks import load_dataset, load_task
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
-from harness_trainer.weight_sync import reload_weights
 
 SAY = textwrap.dedent("""
     import json, os, sys, urllib.request
@@ -50,18 +48,6 @@ def say_task(root: Path, name: str = "say", instruction: str = "Say something.")
         "python3 -c \"t = open('/app/answer.txt').read(); print(1.0 if t[:1].isdigit() else 0.0)\" "
         "> /logs/verifier/reward.txt\n")
     return task
-
-
-@pytest.fixture
-def fresh_engine(engine, proxy, tiny_model_dir):
-    """The session's engine, given back with the tiny model's own weights (and no adapter) after the test, the
-    proxy back on the served model."""
-    yield engine
-    reload_weights(engine, tiny_model_dir, version=0)
-    for model in httpx.get(engine.url + "/v1/models", timeout=10).json()["data"]:
-        if model.get("parent"):
-            httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30)
-    proxy.client.set_policy_version(0)
 
 
 def config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:

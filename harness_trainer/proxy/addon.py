@@ -238,10 +238,16 @@ class CaptureAddon:
 
     async def response(self, flow: http.HTTPFlow) -> None:
         capture: Capture | None = flow.metadata.get("capture")
-        if capture is not None and capture.finished:
-            self._release(flow)
-        if capture is None or capture.finished:
+        if capture is None:
             return
+        try:
+            if not capture.finished:  # a streamed answer finished in `Capture.feed` needs nothing more
+                await self._answer(flow, capture)
+        finally:
+            self._release(flow)
+
+    async def _answer(self, flow: http.HTTPFlow, capture: Capture) -> None:
+        """Retry, capture and translate a JSON answer (or a stream that came back in one piece); errors pass."""
         response = flow.response
         for attempt in range(self.retries):
             if response.status_code not in RETRY_STATUS:
@@ -264,20 +270,17 @@ class CaptureAddon:
                 body = json.dumps(capture.dialect.from_chat(answer, capture.asked)).encode()
             flow.response = http.Response.make(200, body, {
                 "content-type": "text/event-stream" if capture.stream else "application/json"})
-            self._release(flow)
             return
         text = response.get_text(strict=False) or ""
         if response.status_code == 400 and "context length" in text.lower():
             flow.response = self.stop_response(capture.dialect, capture.asked, capture.session, CONTEXT_STOP,
                                                capture.stream, f"the prompt does not fit the engine: {text[:300]}")
-            self._release(flow)
             return
         try:
             message = json.loads(text).get("error", {}).get("message") or text
         except (ValueError, AttributeError):
             message = text
         flow.response = json_response(response.status_code, capture.dialect.error(response.status_code, message))
-        self._release(flow)
 
     async def count_tokens(self, flow: http.HTTPFlow) -> http.Response:
         """Anthropic's token count, answered by the engine's own tokenizer and never recorded."""
