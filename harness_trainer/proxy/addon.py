@@ -62,6 +62,19 @@ class Capture:
 
         Returns a list: an empty bytes chunk would be sent as HTTP/1.1's terminating chunk and cut the
         stream short, so "nothing yet" must be an empty list."""
+        try:
+            return self._feed(data)
+        except Exception as exc:  # a chunk the proxy cannot read ends the stream in an error, not a dead socket
+            if self.failed or self.translator is None:
+                return []
+            try:
+                self.finish()
+            except Exception:  # what was read of the call could not be recorded: the agent still gets the error
+                self.finished = True
+            return [self._fail(f"the capture proxy could not read the engine's stream ({type(exc).__name__}: "
+                               f"{exc})")]
+
+    def _feed(self, data: bytes) -> list[bytes]:
         if self.translator is None:
             self.translator = self.dialect.stream_translator(self.asked)
         out = []
@@ -168,6 +181,22 @@ class CaptureAddon:
     # ---- hooks ---------------------------------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        """Fails closed: a call that did not go through the whole capture path is refused, never forwarded as
+        it came (mitmproxy forwards a flow unchanged when a hook raises)."""
+        try:
+            await self._route(flow)
+        except Exception as exc:
+            self._release(flow)
+            flow.metadata.pop("capture", None)
+            dialect = dialect_for(flow.request.path) or dialect_for("/v1/chat/completions")
+            if isinstance(exc, RecursionError):
+                status, why = 400, "the request body is nested too deeply to read"
+            else:  # a defect of the proxy, not of the request: say so, and keep the request away from the engine
+                status, why = 500, (f"the capture proxy failed on this request ({type(exc).__name__}: {exc}); "
+                                    "it was not forwarded to the engine")
+            flow.response = json_response(status, dialect.error(status, why))
+
+    async def _route(self, flow: http.HTTPFlow) -> None:
         reverse = type(flow.client_conn.proxy_mode).__name__ == "ReverseMode"
         path = flow.request.path.split("?", 1)[0].rstrip("/")
         if path.endswith("/messages/count_tokens"):
@@ -178,6 +207,10 @@ class CaptureAddon:
             if reverse:
                 flow.response = await self.control.handle(flow)
             return  # forward mode: traffic that is not a model call passes through untouched
+        if flow.request.method != "POST":
+            flow.response = json_response(405, dialect.error(405, f"{flow.request.method} {path}: a model call is "
+                                                                  "a POST"))
+            return
         session = self.store.sessions.get(session_key(flow.request) or "")
         if session is None:
             flow.response = json_response(401, dialect.error(401, "unknown API key: it must be the id of a "
@@ -243,6 +276,9 @@ class CaptureAddon:
         try:
             if not capture.finished:  # a streamed answer finished in `Capture.feed` needs nothing more
                 await self._answer(flow, capture)
+        except Exception as exc:  # an answer the proxy cannot read is not passed on unread
+            flow.response = json_response(502, capture.dialect.error(
+                502, f"the engine's answer could not be read ({type(exc).__name__}: {exc})"))
         finally:
             self._release(flow)
 
@@ -285,21 +321,35 @@ class CaptureAddon:
     async def count_tokens(self, flow: http.HTTPFlow) -> http.Response:
         """Anthropic's token count, answered by the engine's own tokenizer and never recorded."""
         dialect = AnthropicDialect()
+        if flow.request.method != "POST":
+            return json_response(405, dialect.error(405, f"{flow.request.method} count_tokens: it is a POST"))
         session = self.store.sessions.get(session_key(flow.request) or "")
         if session is None:
             return json_response(401, dialect.error(401, "unknown API key"))
         try:
-            chat = dialect.to_chat(json.loads(flow.request.get_content() or b""))
+            asked = json.loads(flow.request.get_content() or b"")
+            if not isinstance(asked, dict):
+                raise ValueError("the body must be a JSON object")
+            chat = dialect.to_chat(asked)
+            if not chat["messages"]:
+                raise ValueError("'messages' is empty: there is nothing to count")
             payload = {"model": session.model, "messages": chat["messages"], "add_generation_prompt": True}
             if chat.get("tools"):
                 payload["tools"] = chat["tools"]
-        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        except (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError) as exc:
             return json_response(400, dialect.error(400, f"invalid count_tokens request: {exc}"))
         try:
             answer = await self.http.post(f"{session.upstream}/tokenize", json=payload)
-            return json_response(200, {"input_tokens": answer.json()["count"]})
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            return json_response(502, dialect.error(502, f"the engine could not count tokens: {exc}"))
+            counted = answer.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return json_response(502, dialect.error(502, f"the engine could not be asked to count tokens: {exc}"))
+        if 400 <= answer.status_code < 500:  # the engine refused what the agent sent (a bad message, ...)
+            message = (counted.get("error") or {}).get("message") if isinstance(counted, dict) else None
+            return json_response(400, dialect.error(400, f"invalid count_tokens request: {message or counted}"))
+        if answer.status_code != 200 or not isinstance(counted, dict) or "count" not in counted:
+            return json_response(502, dialect.error(502, f"the engine could not count tokens "
+                                                         f"({answer.status_code}): {str(counted)[:300]}"))
+        return json_response(200, {"input_tokens": counted["count"]})
 
     def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool,
                       why: str) -> http.Response:
