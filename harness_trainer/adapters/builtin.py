@@ -40,28 +40,33 @@ if [ "$(cat /app/{file} 2>/dev/null | tr -d '[:space:]')" = "{word}" ]; then ech
 else echo 0 > /logs/verifier/reward.txt; fi
 """
 
+# name: (file, buggy source, calls the test makes, what they must return (repr), the fix, the instruction)
 BUGS = {
     "sum-to-n": ("mathx.py", "def sum_to(n):\n    \"\"\"1 + 2 + ... + n\"\"\"\n    return sum(range(n))\n",
-                 "assert mathx.sum_to(1) == 1 and mathx.sum_to(4) == 10 and mathx.sum_to(0) == 0",
+                 "mathx.sum_to(1), mathx.sum_to(4), mathx.sum_to(0)", "[1, 10, 0]",
                  "s/range(n)/range(n + 1)/", "sum_to(n) should return 1 + 2 + ... + n but is off by one."),
     "is-even": ("parity.py", "def is_even(n):\n    return n % 2 == 1\n",
-                "assert parity.is_even(4) and not parity.is_even(3) and parity.is_even(0)",
+                "parity.is_even(4), parity.is_even(3), parity.is_even(0)", "[True, False, True]",
                 "s/== 1/== 0/", "is_even(n) returns the wrong answer for every number."),
     "clamp": ("clamp.py", "def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n",
-              "assert clamp.clamp(5, 0, 3) == 3 and clamp.clamp(-1, 0, 3) == 0 and clamp.clamp(2, 0, 3) == 2",
+              "clamp.clamp(5, 0, 3), clamp.clamp(-1, 0, 3), clamp.clamp(2, 0, 3)", "[3, 0, 2]",
               "s/min(x, lo)/min(x, hi)/", "clamp(x, lo, hi) ignores its upper bound."),
     "greet": ("greet.py", "def greet(name):\n    return 'Hello ' + name\n",
-              "assert greet.greet('Ada') == 'Hello, Ada!'",
+              "greet.greet('Ada')", "['Hello, Ada!']",
               "s/'Hello ' + name/'Hello, ' + name + '!'/", "greet('Ada') must return 'Hello, Ada!'."),
     "last-item": ("items.py", "def last(items):\n    return items[len(items)]\n",
-                  "assert items.last([1, 2, 3]) == 3 and items.last(['a']) == 'a'",
+                  "items.last([1, 2, 3]), items.last(['a'])", "[3, 'a']",
                   "s/items\\[len(items)\\]/items[-1]/", "last(items) raises IndexError instead of returning the last item."),
 }
 
+# The agent's code runs inside the check, so the check's exit status is the agent's to forge (an atexit hook
+# that calls os._exit(0) passes any assert). The verdict is therefore taken outside that process: the check only
+# prints what the calls return, and bash compares it with what they must return, which the agent never saw.
 BUG_TEST = """#!/bin/bash
-# Reward 1 when the check passes against the agent's /app, else 0.
+# Reward 1 when the calls, run against the agent's /app, return what they must, else 0.
 mkdir -p /logs/verifier
-cd /app && if python3 -c "import {module}; {check}" 2>/logs/verifier/stderr.txt; then echo 1 > /logs/verifier/reward.txt
+got=$(cd /app && python3 -c "import {module}; print(repr([{calls}]))" 2>/logs/verifier/stderr.txt)
+if [ "$got" = "{expected}" ]; then echo 1 > /logs/verifier/reward.txt
 else echo 0 > /logs/verifier/reward.txt; fi
 """
 
@@ -84,14 +89,14 @@ def _toy(root: Path, pairs: list[tuple[str, str]], split: str) -> None:
 
 
 def _bugfix(root: Path) -> None:
-    for name, (filename, source, check, sed, instruction) in BUGS.items():
+    for name, (filename, source, calls, expected, sed, instruction) in BUGS.items():
         task = root / f"bugfix-{name}"
         module = filename.removesuffix(".py")
         _write(task / "instruction.md", f"In /app/{filename}: {instruction} Fix the bug.\n")
         _write(task / "task.toml", '[agent]\ntimeout_sec = 300\n\n[verifier]\ntimeout_sec = 60\n\n'
                                    '[metadata]\nset = "bugfix"\n')
         _write(task / "environment" / "app" / filename, source)
-        _write(task / "tests" / "test.sh", BUG_TEST.format(module=module, check=check), 0o755)
+        _write(task / "tests" / "test.sh", BUG_TEST.format(module=module, calls=calls, expected=expected), 0o755)
         _write(task / "solution" / "solve.sh", f"#!/bin/bash\nsed -i \"{sed}\" {filename}\n", 0o755)
 
 
