@@ -118,6 +118,8 @@ class LoraSync:
             shutil.rmtree(directory, ignore_errors=True)
             raise WeightSyncError(f"weight sync step 'load_lora_adapter' failed: HTTP {response.status_code}: "
                                   f"{response.text[:400]}. If LoRA is off in the engine: {ENGINE_FLAGS_HINT}")
+        if (old := self.loaded.get(version)) is not None:  # loaded again (the engine restarted)
+            shutil.rmtree(old, ignore_errors=True)
         self.loaded[version] = directory
         return name
 

@@ -77,6 +77,8 @@ class TrainRunConfig:
     reward: str = _opt("verifier", "verifier, verifier+tools, module:function or an entry-point name")
     reward_key: str = _opt("reward", "key of the verifier's reward.json")
     weight_sync_steps: int = _opt(1, "steps between weight syncs into vLLM")
+    service_recovery_timeout: float = _opt(300.0, "seconds a step waits for a stopped engine or proxy (restarted "
+                                                  "by the run) before the run stops, its last step saved")
     save_steps: int = _opt(5, "steps between checkpoints")
     output_dir: str = _opt("runs/train", "where everything goes")
     resume: str | None = _opt(None, 'a checkpoint folder, or "latest" (the newest in --output-dir)')
@@ -254,6 +256,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     from harness_trainer.engine import EngineConfig, VLLMServer
     from harness_trainer.proxy.client import ProxyServer
     from harness_trainer.rewards import resolve_reward_fn
+    from harness_trainer.supervise import Supervisor
     from harness_trainer.tiny_model import ensure_tiny_model
     from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
@@ -292,6 +295,12 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
         host = "0.0.0.0" if cfg.public_url else "127.0.0.1"  # remote sandboxes reach it from outside
         proxy = stack.enter_context(ProxyServer(engine.url, model=engine.model_name, port=cfg.proxy_port, host=host,
                                                 journal=out / "journal", log_path=out / "proxy.log"))
+        # A server of ours that dies (killed, crashed) is started again on its port; the trainer waits for it and
+        # puts back what it lost (supervise.py).
+        watched = {"the capture proxy": (proxy.managed, proxy.startup_timeout_s)}
+        if not attached:
+            watched["vLLM"] = (engine.managed, engine.cfg.startup_timeout_s)
+        supervisor = stack.enter_context(Supervisor(watched))
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         factory = partial(LocalSessionFactory, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox,
                           output_dir=out / "rollouts", step_limit=cfg.agent_step_limit,
@@ -302,6 +311,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_staleness=cfg.max_staleness,
             max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, temperature=cfg.temperature,
             max_completion_tokens=cfg.max_completion_tokens, weight_sync_steps=cfg.weight_sync_steps,
+            service_recovery_timeout_s=cfg.service_recovery_timeout,
             save_steps=cfg.save_steps, seed=cfg.seed, resume_from_checkpoint=resume,
             groups_per_step=cfg.groups_per_step, warmup_ratio=cfg.warmup_ratio,
             lr_scheduler_type=cfg.lr_scheduler_type, behaviour_clip=cfg.behaviour_clip, save_best=cfg.save_best,
@@ -328,6 +338,8 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
                "dropped_stale_groups": sum(int(h.get("dropped_stale", 0)) for h in history),
                "warnings": [f"step {h['step']}: {w}" for h in history for w in h.get("warnings", [])],
                "best_model": str(out / "best") if (out / "best").exists() else None,
+               "restarts": [f"{r.service} (exit {r.exit_code}), back in {r.seconds:.0f} s"
+                            for r in supervisor.restarts],
                "wall_time_s": round(time.time() - started, 1), "traces": str(out / "traces.jsonl"),
                "reward_curve": str(out / "reward_curve.png")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

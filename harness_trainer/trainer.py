@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import torch
 
 from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
@@ -54,10 +55,11 @@ from harness_trainer.lora import LoraSettings, LoraSync, add_lora, merged_state_
 from harness_trainer.rewards import resolve_reward_fn, score
 from harness_trainer.rows import chains_from_trace, pack
 from harness_trainer.stability import StabilityMonitor, bound_step
+from harness_trainer.supervise import ServiceDown, wait_for
 from harness_trainer.traces import TrainingTrace
 from harness_trainer.tree_attention import use_tree_attention
 from harness_trainer.tree_forward import plan_ranges, tree_backward, tree_logprobs
-from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights
+from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
 
 log = logging.getLogger("harness_trainer")
 
@@ -78,6 +80,8 @@ class AsyncGRPOConfig:
     weight_sync_backend: str | None = None  # reload (any vLLM, CPU included), lora, nccl (GPU); None: lora with
     #                                          use_peft, else reload
     weight_sync_timeout_s: float = 120.0
+    service_recovery_timeout_s: float = 300.0  # how long a step waits for a stopped engine or proxy to come back
+    #                                            (e.g. restarted by the CLI: vLLM takes ~1 min on 2 cores)
     probe_tolerance: float | None = None  # max |logprob gap| vLLM vs trainer; None: 1e-3 (float32), 5e-2 (16-bit)
     logging_steps: int = 1
     save_steps: int = 5
@@ -142,6 +146,8 @@ class HarnessAsyncGRPOTrainer:
         self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
                                                       args.lora_target_modules)) if args.use_peft else None
         self.lora_sync: LoraSync | None = None
+        self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
+        self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
         use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -334,8 +340,8 @@ class HarnessAsyncGRPOTrainer:
         if not url:
             raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
         started = time.perf_counter()
-        name = self._sync_step(lambda: self._load_weights(url))
-        self.version += 1
+        name = self._sync_step(lambda: self._load_weights(url, self.version + 1))
+        self.version, self.served_name = self.version + 1, name
         proxy = getattr(self.factory, "proxy", None)
         if proxy is not None:
             proxy.set_policy_version(self.version, model=name)
@@ -352,18 +358,56 @@ class HarnessAsyncGRPOTrainer:
         except WeightSyncError as exc:
             raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
 
-    def _load_weights(self, url: str) -> str | None:
-        """The next version into the engine: the adapter by name (lora.py; returns it), or every weight."""
+    def _load_weights(self, url: str, version: int) -> str | None:
+        """The policy into the engine as `version`: the adapter by name (lora.py; returns it), or every weight."""
         if self.peft is not None:
             self.lora_sync = self.lora_sync or LoraSync(url, self.args.weight_sync_timeout_s)
-            return self.lora_sync.load(self.peft, self.version + 1)
+            return self.lora_sync.load(self.peft, version)
         directory = ram_dir()
         try:
             save_weights(self.model, directory)
-            reload_weights(url, directory, version=self.version + 1, timeout_s=self.args.weight_sync_timeout_s)
+            reload_weights(url, directory, version=version, timeout_s=self.args.weight_sync_timeout_s)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return None
+
+    def _ensure_services(self) -> bool:
+        """Before a step is trained, the proxy and the engine must answer (each waited for up to
+        service_recovery_timeout_s, then TrainingStopped) and hold the trainer's state: a restarted proxy is told
+        the policy version again; a restarted engine, which serves the weights it was launched with, is synced
+        again. True when the engine's weights were put back: rollouts may have sampled the wrong ones."""
+        timeout, url = self.args.service_recovery_timeout_s, self.args.vllm_server_base_url
+        proxy, put_back, resynced = getattr(self.factory, "proxy", None), [], False
+        try:
+            if proxy is not None:
+                wait_for(f"the capture proxy at {proxy.url}", proxy.policy_state, timeout)
+                if proxy.policy_state()["policy_version"] != self.version:
+                    proxy.set_policy_version(self.version, model=self.served_name)
+                    put_back.append(f"the capture proxy restarted: its policy version is {self.version} again")
+            if url:
+                wait_for(f"the engine at {url}", lambda: httpx.get(f"{url.rstrip('/')}/health",
+                                                                   timeout=10).raise_for_status(), timeout)
+                if not self._engine_serves_policy(url):
+                    self._sync_step(lambda: self._load_weights(url, self.version))
+                    self._probe(url, self.served_name)
+                    put_back.append(f"the engine restarted without the policy: version {self.version} synced again")
+                    resynced = True
+        except ServiceDown as exc:
+            raise TrainingStopped(f"{exc}. Start it again, then resume the run from {self.out / 'latest'} (the last "
+                                  f"saved step)") from None
+        for line in put_back:
+            log.warning("step %d: %s", self.step + 1, line)
+        self.recovered += put_back
+        return resynced
+
+    def _engine_serves_policy(self, url: str) -> bool:
+        if self.served_name is None:  # full weights: the engine reports the version it was last given
+            try:
+                return weight_version(url) == str(self.version)
+            except httpx.HTTPStatusError:  # an engine without the route cannot say: the probe after each sync must
+                return True
+        served = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
+        return any(m["id"] == self.served_name for m in served)
 
     def _probe(self, url: str, model: str | None = None) -> None:
         """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""
@@ -416,6 +460,29 @@ class HarnessAsyncGRPOTrainer:
             if self.lora_sync is not None:
                 self.lora_sync.close()
 
+    def _end_step(self, metrics: dict, tasks: list[str], save: bool = False) -> None:
+        """Warnings, best/, the checkpoint and the metrics line of a trained step."""
+        args = self.args
+        metrics.update(step=self.step, version=self.version, task=",".join(tasks))
+        if self.recovered:  # what was put back since the last step (a restarted engine or proxy)
+            metrics["recovered"], self.recovered = self.recovered, []
+        if warnings := self.monitor.check(metrics):
+            metrics["warnings"] = warnings
+            for warning in warnings:
+                log.warning("step %d: %s", self.step, warning)
+        # best/ before the checkpoint, so the checkpoint holds best/'s state after this step
+        if args.save_best and self.best.update(self.step, metrics.get("reward_mean"), self.save_model):
+            metrics["best"] = True
+        if save or self.step % args.save_steps == 0 or self.step == args.max_steps:
+            self._save()  # before the metrics line: a logged step is a saved step
+        self.history.append(metrics)
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self._notify("on_step", metrics)
+        self._notify("log", metrics)
+        if self.step % args.logging_steps == 0:
+            log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
+
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
         while (groups := broadcast(None)) is not None:
@@ -452,6 +519,22 @@ class HarnessAsyncGRPOTrainer:
                         else:
                             groups.append(records)
                             tasks.append(task.name)
+                    try:
+                        weights_put_back = self._ensure_services()
+                    except TrainingStopped:
+                        if self.step and not (self.out / f"checkpoint-{self.step}").exists():
+                            self._save()  # the last logged step is kept, whatever save_steps says
+                        raise
+                    if weights_put_back:
+                        # sampled (in part) by the weights the engine was launched with: not this policy's data
+                        for _, futures, sessions, _ in pending:
+                            for future in futures:
+                                future.cancel()
+                            sessions.cancel_all()
+                        pending.clear()
+                        log.warning("step %d: its rollouts and those in flight are discarded; collecting again",
+                                    self.step + 1)
+                        continue
                     started = time.perf_counter()
                     if groups:
                         if self.world_size > 1:
@@ -460,26 +543,14 @@ class HarnessAsyncGRPOTrainer:
                     metrics["train_time_s"] = time.perf_counter() - started
                     self.step += 1
                     if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
-                        metrics["weight_sync_time_s"] = self.sync_weights()
+                        try:
+                            metrics["weight_sync_time_s"] = self.sync_weights()
+                        except TrainingStopped as exc:  # the step is trained: keep it, then stop
+                            self._end_step(metrics | {"stopped": str(exc)}, tasks, save=True)
+                            raise
                         metrics["probe_gap"] = self.last_probe_gap
                         metrics["cancelled_in_flight"] = self._cancel_stale(pending)
-                    metrics.update(step=self.step, version=self.version, task=",".join(tasks))
-                    if warnings := self.monitor.check(metrics):
-                        metrics["warnings"] = warnings
-                        for warning in warnings:
-                            log.warning("step %d: %s", self.step, warning)
-                    # best/ before the checkpoint, so the checkpoint holds best/'s state after this step
-                    if args.save_best and self.best.update(self.step, metrics.get("reward_mean"), self.save_model):
-                        metrics["best"] = True
-                    if self.step % args.save_steps == 0 or self.step == args.max_steps:
-                        self._save()  # before the metrics line: a logged step is a saved step
-                    self.history.append(metrics)
-                    with (self.out / "metrics.jsonl").open("a") as f:
-                        f.write(json.dumps(metrics) + "\n")
-                    self._notify("on_step", metrics)
-                    self._notify("log", metrics)
-                    if self.step % args.logging_steps == 0:
-                        log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
+                    self._end_step(metrics, tasks)
             finally:
                 for _, futures, sessions, _ in pending:  # in-flight work of a finished run is stopped
                     for future in futures:

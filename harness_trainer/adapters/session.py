@@ -204,6 +204,19 @@ class LocalSessionFactory:
         return session
 
 
+def _exit_reason(code: int) -> str:
+    """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent."""
+    import signal
+
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    try:
+        killed = f" (killed by {signal.Signals(number).name}{' with its sandbox' if code < 0 else ''})" \
+            if number else ""
+    except ValueError:
+        killed = ""
+    return f"the agent exited with code {code}{killed}; its workspace was verified as it stood"
+
+
 def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None = None,
                 on_session=None) -> RolloutRecord:
     """Create, wait, fetch, verify, close; classify the ending. Raises CaptureContractError only.
@@ -229,6 +242,8 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
                 reason = f"could not fetch the trace: {exc}"
         if not reason and (stops := session.proxy_stops()):  # the agent was stopped cleanly: say why
             reason = "stopped by the capture proxy: " + "; ".join(stops)
+        if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
+            reason = _exit_reason(exit_code)
         verified = session.verify(session.report.completion)
         if session.error:
             status = "unscorable"
