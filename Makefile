@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Each runs the idempotent set-up first.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow demo engine-demo bench clean
+.PHONY: setup test test-slow test-reliability demo engine-demo bench clean
 
 setup:
 	@HARBOR=$(HARBOR) bash scripts/setup.sh
@@ -11,6 +11,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+# The whole reliability suite (~35 min): the CLI fault run, 10,000 fuzzed requests, 10 minutes of load on each proxy.
+test-reliability: setup
+	$(PY) -m pytest tests/reliability -m 'reliability or not slow'
+	$(PY) bench/reliability.py --fuzz 10000 --load-minutes 10 --sessions 256
 
 # The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~27 min).
 demo: setup

@@ -47,13 +47,16 @@ def stub_app(tokens: int, token_delay_s: float):
         body = await request.json()
         n = min(tokens, body.get("max_tokens") or tokens)
         ids = list(range(100, 100 + n))
+        # the answer spells the last message, so an answer delivered to the wrong session can be seen
+        last = str((body.get("messages") or [{}])[-1].get("content") or "x")
+        text = [last[k % len(last)] for k in range(n)]
         content = [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": [120], "top_logprobs": []} for i in ids]
         if not body.get("stream"):
             await asyncio.sleep(token_delay_s * n)  # the same generation time as the stream
             return JSONResponse({
                 "id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "tiny",
                 "prompt_token_ids": prompt,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * n},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                              "logprobs": {"content": content}, "finish_reason": "length", "token_ids": ids}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}})
 
@@ -65,7 +68,7 @@ def stub_app(tokens: int, token_delay_s: float):
             for k, i in enumerate(ids):
                 await asyncio.sleep(token_delay_s)
                 yield "data: " + json.dumps(dict(head, choices=[{
-                    "index": 0, "delta": {"content": "x"}, "logprobs": {"content": [content[k]]},
+                    "index": 0, "delta": {"content": text[k]}, "logprobs": {"content": [content[k]]},
                     "finish_reason": "length" if k == n - 1 else None, "token_ids": [i]}])) + "\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -92,6 +92,7 @@ class TrainProgress:
         self.reward = self.sync_s = None
         self.stability: dict = {}
         self.warning: str | None = None
+        self.recovered: str | None = None
 
     def on_launch(self, count: int) -> None:
         self.launched += count
@@ -109,6 +110,8 @@ class TrainProgress:
             self.stability = metrics
         if metrics.get("warnings"):
             self.warning = f"step {self.step}: " + "; ".join(metrics["warnings"])
+        if metrics.get("recovered"):  # a restarted engine or proxy, put back (supervise.py)
+            self.recovered = f"before step {self.step}: " + "; ".join(metrics["recovered"])
 
     def __rich__(self):
         from rich.table import Table
@@ -130,6 +133,8 @@ class TrainProgress:
                           f"{m['behaviour_clip_frac']:.1%}   answer {m.get('completion_tokens_mean') or 0:.0f} tokens")
         if self.warning:
             table.add_row("[bold yellow]warning[/]", f"[yellow]{self.warning}[/]")
+        if self.recovered:
+            table.add_row("[bold yellow]recovered[/]", f"[yellow]{self.recovered}[/]")
         return table
 
 

@@ -4,6 +4,9 @@
         fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task)
         take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
         versions old (groups still running that can no longer finish in time are cancelled after each sync)
+        the engine and proxy must answer (waited for up to service_recovery_timeout_s: the CLI restarts
+        them, supervise.py); one that restarted gets the policy back, and a restarted engine's rollouts are
+        discarded (they may have sampled the weights it was launched with)
         rewards -> advantages per group -> chains -> prefix-tree packing -> loss -> one optimizer step
         (the tree in micro-batches of max_tokens_per_microbatch tokens, memory linear in its tokens:
          tree_forward.py; the proximal logprobs are the training forward's own, detached)
@@ -19,7 +22,8 @@
         save_best: best/ holds the model after the step with the best training reward (mean of best_window steps)
 
 Staleness is read from the policy version the proxy stamped on each captured turn, not from dispatch time.
-A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does.
+A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does. A stop
+(TrainingStopped: a service gone past the bound, a failed sync) keeps the last trained step as a checkpoint.
 
 Data parallel: harness_trainer/distributed.py. Checkpoints and best/: harness_trainer/checkpoints.py. The trust
 region for fresh tokens and the collapse warnings: harness_trainer/stability.py.
@@ -33,7 +37,6 @@ import json
 import logging
 import math
 import random
-import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,25 +44,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import torch
 
 from harness_trainer.adapters.session import CaptureContractError, RolloutRecord, run_rollout
 from harness_trainer.adapters.tasks import Task
 from harness_trainer.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
 from harness_trainer.distributed import all_reduce, all_reduce_gradients, broadcast, init_distributed
-from harness_trainer.engine import teacher_forced_logprobs
 from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
 from harness_trainer.lora import LoraSettings, LoraSync, add_lora, merged_state_dict
+from harness_trainer.policy_sync import PolicySync, TrainingStopped
 from harness_trainer.rewards import resolve_reward_fn, score
 from harness_trainer.rows import chains_from_trace, pack
 from harness_trainer.stability import StabilityMonitor, bound_step
-from harness_trainer.supervise import ServiceDown, wait_for
 from harness_trainer.traces import TrainingTrace
 from harness_trainer.tree_attention import use_tree_attention
 from harness_trainer.tree_forward import plan_ranges, tree_backward, tree_logprobs
-from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
 
 log = logging.getLogger("harness_trainer")
 
@@ -114,11 +114,7 @@ class AsyncGRPOConfig:
     lora_target_modules: list[str] | None = None  # None: the attention and MLP projections
 
 
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (a failed weight sync, a probe mismatch); the message says why."""
-
-
-class HarnessAsyncGRPOTrainer:
+class HarnessAsyncGRPOTrainer(PolicySync):
     def __init__(self, model, harness_session_factory, args: AsyncGRPOConfig, train_dataset: list[Task],
                  rollout_reward_fn=None, callbacks: list | None = None):
         """callbacks: objects with any of on_launch(n), on_rollout(record_or_exception), on_step(metrics),
@@ -332,99 +328,6 @@ class HarnessAsyncGRPOTrainer:
         clip, kl = self.args.step_clip, self.args.max_step_kl
         return (clip is None or 1 - clip <= change["ratio_min"] and change["ratio_max"] <= 1 + clip) \
             and (kl is None or change["kl"] <= kl)
-
-    # ---- weights back into vLLM ----------------------------------------------------------------------------
-
-    def sync_weights(self) -> float:
-        url = self.args.vllm_server_base_url
-        if not url:
-            raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
-        started = time.perf_counter()
-        name = self._sync_step(lambda: self._load_weights(url, self.version + 1))
-        self.version, self.served_name = self.version + 1, name
-        proxy = getattr(self.factory, "proxy", None)
-        if proxy is not None:
-            proxy.set_policy_version(self.version, model=name)
-        self._probe(url, name)
-        if self.lora_sync is not None and proxy is not None:  # adapters no rollout may still sample from
-            self._sync_step(lambda: self.lora_sync.unload_idle(self.version - self.args.max_staleness,
-                                                               proxy.policy_state()["in_flight"]))
-        return time.perf_counter() - started
-
-    def _sync_step(self, step):
-        """Run one weight-sync step; its failure stops the run with the step's own message."""
-        try:
-            return step()
-        except WeightSyncError as exc:
-            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
-
-    def _load_weights(self, url: str, version: int) -> str | None:
-        """The policy into the engine as `version`: the adapter by name (lora.py; returns it), or every weight."""
-        if self.peft is not None:
-            self.lora_sync = self.lora_sync or LoraSync(url, self.args.weight_sync_timeout_s)
-            return self.lora_sync.load(self.peft, version)
-        directory = ram_dir()
-        try:
-            save_weights(self.model, directory)
-            reload_weights(url, directory, version=version, timeout_s=self.args.weight_sync_timeout_s)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        return None
-
-    def _ensure_services(self) -> bool:
-        """Before a step is trained, the proxy and the engine must answer (each waited for up to
-        service_recovery_timeout_s, then TrainingStopped) and hold the trainer's state: a restarted proxy is told
-        the policy version again; a restarted engine, which serves the weights it was launched with, is synced
-        again. True when the engine's weights were put back: rollouts may have sampled the wrong ones."""
-        timeout, url = self.args.service_recovery_timeout_s, self.args.vllm_server_base_url
-        proxy, put_back, resynced = getattr(self.factory, "proxy", None), [], False
-        try:
-            if proxy is not None:
-                wait_for(f"the capture proxy at {proxy.url}", proxy.policy_state, timeout)
-                if proxy.policy_state()["policy_version"] != self.version:
-                    proxy.set_policy_version(self.version, model=self.served_name)
-                    put_back.append(f"the capture proxy restarted: its policy version is {self.version} again")
-            if url:
-                wait_for(f"the engine at {url}", lambda: httpx.get(f"{url.rstrip('/')}/health",
-                                                                   timeout=10).raise_for_status(), timeout)
-                if not self._engine_serves_policy(url):
-                    self._sync_step(lambda: self._load_weights(url, self.version))
-                    self._probe(url, self.served_name)
-                    put_back.append(f"the engine restarted without the policy: version {self.version} synced again")
-                    resynced = True
-        except ServiceDown as exc:
-            raise TrainingStopped(f"{exc}. Start it again, then resume the run from {self.out / 'latest'} (the last "
-                                  f"saved step)") from None
-        for line in put_back:
-            log.warning("step %d: %s", self.step + 1, line)
-        self.recovered += put_back
-        return resynced
-
-    def _engine_serves_policy(self, url: str) -> bool:
-        if self.served_name is None:  # full weights: the engine reports the version it was last given
-            try:
-                return weight_version(url) == str(self.version)
-            except httpx.HTTPStatusError:  # an engine without the route cannot say: the probe after each sync must
-                return True
-        served = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
-        return any(m["id"] == self.served_name for m in served)
-
-    def _probe(self, url: str, model: str | None = None) -> None:
-        """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""
-        ids = [1, 10, 20, 30, 40, 50, 60, 70, 2]
-        served = torch.tensor(teacher_forced_logprobs(url, ids, model=model))
-        with torch.no_grad():
-            self.model.eval()
-            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].cpu()
-            ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-        gap = float((served.double() - ours).abs().max())
-        tolerance = self.args.probe_tolerance
-        if tolerance is None:  # what "the same weights" can mean at this precision
-            tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
-        if gap > tolerance:
-            raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
-                                  f"by {gap:.2e} (> {tolerance}): the engine did not take the weights")
-        self.last_probe_gap = gap
 
     # ---- checkpoints (harness_trainer/checkpoints.py) ------------------------------------------------------
 

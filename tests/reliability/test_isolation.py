@@ -5,7 +5,6 @@ real bubblewrap sandbox."""
 from __future__ import annotations
 
 import http.server
-import json
 import secrets
 import subprocess
 import threading
