@@ -118,10 +118,10 @@ class Link:
                     pass
 
     def hold(self, route: bytes | None) -> None:
-        self.held = route
+        self.held, self.held_at = route, time.monotonic()
 
     def cut(self) -> None:
-        self.alive = False
+        self.alive, self.cut_at = False, time.monotonic()
         self.listener.close()
         for s in self.connections:
             try:

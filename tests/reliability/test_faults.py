@@ -125,6 +125,7 @@ def test_the_proxy_killed_9_mid_rollout_is_restarted_and_loses_no_turn(fresh_eng
         killer.join()
     proxy.stop()
     assert len(supervisor.restarts) == 1 and supervisor.restarts[0].seconds < 30
+    print(f"fault: proxy killed -9, back in {supervisor.restarts[0].seconds:.1f} s")
     assert_steps_once(tmp_path, 2)
     done = records(tmp_path)
     assert sum(r["status"] == "ok" for r in done) >= 3, [r["reason"] for r in done]
@@ -151,6 +152,8 @@ def test_vllm_killed_mid_stream_is_restarted_and_synced_again(fresh_engine, prox
         trainer.train()
         killer.join()
     assert len(supervisor.restarts) == 1 and time.monotonic() - started < 480
+    print(f"fault: vLLM killed -9 mid-stream, back in {supervisor.restarts[0].seconds:.1f} s, run "
+          f"{time.monotonic() - started:.0f} s")
     assert_steps_once(tmp_path, 3)
     recovered = [line for m in steps(tmp_path) for line in m.get("recovered", [])]
     assert any("engine restarted" in line for line in recovered), recovered
@@ -171,9 +174,10 @@ def test_an_engine_gone_for_good_stops_the_run_with_a_clear_error(fresh_engine, 
         cut.start()
         with pytest.raises(TrainingStopped, match="the engine at .* has not answered for 5 s") as stopped:
             trainer.train()
-        cut_at = time.monotonic()
+        stopped_after = time.monotonic() - link.cut_at
     assert "resume the run from" in str(stopped.value)
-    assert time.monotonic() - cut_at < 5
+    assert stopped_after < 10 + 5 + 20  # the agents' timeout, the recovery bound, a verifier and a step
+    print(f"fault: engine gone, run stopped {stopped_after:.1f} s after the cut")
     logged = [m["step"] for m in steps(tmp_path)]
     assert logged and (tmp_path / "run" / f"checkpoint-{logged[-1]}").exists()  # the last step is kept
 
@@ -188,6 +192,7 @@ def test_a_stalled_weight_sync_stops_in_bounded_time_and_resumes_without_losing_
     stall.start()
     with pytest.raises(TrainingStopped, match="weight sync at step 2 failed: .*timed out after 3"):
         trainer.train()
+    print(f"fault: sync stalled, run stopped {time.monotonic() - link.held_at:.1f} s after the stall")
     logged = steps(tmp_path)
     assert [m["step"] for m in logged] == [1, 2] and "timed out" in logged[-1]["stopped"]
     link.hold(None)
