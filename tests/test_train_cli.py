@@ -160,13 +160,15 @@ def test_live_display_shows_stability_and_warnings():
     progress.on_step({"step": 9, "version": 10, "trained_tokens": 622, "reward_mean": 0.375, "entropy": 0.24,
                       "behaviour_kl_k3": 0.0123, "behaviour_clip_frac": 0.05, "completion_tokens_mean": 41.5,
                       "step_scale": 0.25,
-                      "warnings": ["entropy jumped to 0.24 (median of the last 5 steps: 0.012)"]})
+                      "warnings": ["entropy jumped to 0.24 (median of the last 5 steps: 0.012)"],
+                      "recovered": ["the engine restarted without the policy: version 9 synced again"]})
     console = Console(width=200, record=True)
     console.print(progress)
     screen = console.export_text()
     assert "entropy 0.240" in screen and "KL to behaviour 0.0123" in screen and "behaviour clip 5.0%" in screen
     assert "step taken 25%" in screen
     assert "answer 42 tokens" in screen and "step 9: entropy jumped to 0.24" in screen
+    assert "before step 9: the engine restarted without the policy" in screen
 
 
 @pytest.mark.parametrize("lora", [[], ["--use-peft", "--lora-rank", "8", "--lora-alpha", "64"]],

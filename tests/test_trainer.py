@@ -40,7 +40,7 @@ SAY_HARNESS = CommandHarness(f"python3 -c {shlex.quote(SAY)} {{instruction}}")
 def say_task(root: Path, name: str = "say", instruction: str = "Say something.") -> Path:
     """A task whose reward depends only on what the model says: 1 when its answer starts with a digit."""
     task = root / name
-    (task / "tests").mkdir(parents=True)
+    (task / "tests").mkdir(parents=True, exist_ok=True)
     (task / "instruction.md").write_text(instruction + "\n")
     (task / "task.toml").write_text("[agent]\ntimeout_sec = 60\n[verifier]\ntimeout_sec = 30\n")
     (task / "tests" / "test.sh").write_text(

@@ -8,7 +8,6 @@ import shlex
 import socket
 import threading
 import time
-from pathlib import Path
 
 from harness_trainer.adapters.harnesses import CommandHarness
 
@@ -53,19 +52,6 @@ if "twice" in mode:
     open("/app/answer.txt", "w").write(call(False, again))
 """
 AGENT_HARNESS = CommandHarness(f"python3 -c {shlex.quote(AGENT)} {{instruction}}")
-
-
-def fault_task(root: Path, name: str, instruction: str) -> Path:
-    """Reward 1 when the agent's last answer starts with a digit (the trainer tests' task)."""
-    task = root / name
-    (task / "tests").mkdir(parents=True, exist_ok=True)
-    (task / "instruction.md").write_text(instruction + "\n")
-    (task / "task.toml").write_text("[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 30\n")
-    (task / "tests" / "test.sh").write_text(
-        "#!/bin/bash\nmkdir -p /logs/verifier\n"
-        "python3 -c \"t = open('/app/answer.txt').read(); print(1.0 if t[:1].isdigit() else 0.0)\" "
-        "> /logs/verifier/reward.txt\n")
-    return task
 
 
 class Link:

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from faults import AGENT_HARNESS, Link, fault_task, wait_until
+from faults import AGENT_HARNESS, Link, wait_until
 
 from harness_trainer.adapters.session import LocalSessionFactory
 from harness_trainer.adapters.tasks import load_task
@@ -26,11 +26,12 @@ from harness_trainer.proxy.client import ProxyClient, ProxyServer
 from harness_trainer.supervise import Supervisor
 from harness_trainer.traces import TrainingTrace
 from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
+from test_trainer import say_task  # reward 1 when the agent's answer starts with a digit
 
 
 def make_trainer(tmp_path: Path, model, engine_url: str, proxy: ProxyClient, instruction: str,
                  agent_timeout_s: float | None = None, **overrides) -> HarnessAsyncGRPOTrainer:
-    task = load_task(fault_task(tmp_path / "tasks", "fault", instruction))
+    task = load_task(say_task(tmp_path / "tasks", "fault", instruction))
     factory = partial(LocalSessionFactory, proxy=proxy, harness=AGENT_HARNESS, output_dir=tmp_path / "r",
                       agent_timeout_s=agent_timeout_s)
     args = dict(output_dir=str(tmp_path / "run"), vllm_server_base_url=engine_url, num_generations=2,
