@@ -179,6 +179,11 @@ def test_journal_recovers_every_finished_turn_after_kill_9(engine, tmp_path):
         assert {t["metadata"]["policy_version"] for t in before["turns"]} == {3}
         second.client.set_policy_version(4)
         assert second.client.session("crash-me")["policy_version"] == 4
+        second.client.delete("crash-me")
+        second.kill()
+    with ProxyServer(engine.url, journal=tmp_path / "journal") as third:  # no session left: the version is kept
+        assert third.client.policy_state()["policy_version"] == 4
+        assert third.client.create_session()["policy_version"] == 4
 
 
 def _visible(answer: dict) -> dict:

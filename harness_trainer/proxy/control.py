@@ -95,7 +95,7 @@ class ControlRoutes:
                 return _error(400, "'model' must be the name new calls go to (a LoRA adapter's), or absent "
                                    "(the served model)")
             # sessions minted from now on start at this version (and model) too
-            store.current_version, store.current_model = version, model
+            store.set_current(version, model)
             for session in list(store.sessions.values()):
                 store.set_policy_version(session, version, model)
             return json_response(200, {"policy_version": version, "model": store.current_model,

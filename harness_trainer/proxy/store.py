@@ -6,6 +6,8 @@ journal/<session id>.jsonl holds one JSON record a line:
                                       answer's last byte
   {"t": "version", "policy_version", "model"}  the trainer moved the session to a new policy version
 A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept.
+journal/policy.json holds the trainer's latest version and model (POST /policy_version), replaced atomically, so
+a restarted proxy stamps new sessions as the trainer left it, even with no session alive.
 """
 
 from __future__ import annotations
@@ -42,7 +44,21 @@ class SessionStore:
         finally:
             os.close(fd)
 
+    def set_current(self, version: int, model: str | None) -> None:
+        """The version (and model) sessions minted from now on start at."""
+        self.current_version, self.current_model = version, model
+        if self.journal_dir:
+            staging = self.journal_dir / "policy.json.tmp"
+            staging.write_text(json.dumps({"policy_version": version, "model": model}))
+            os.replace(staging, self.journal_dir / "policy.json")
+
     def _reload(self) -> None:
+        if (saved := self.journal_dir / "policy.json").exists():
+            try:
+                state = json.loads(saved.read_text())
+                self.current_version, self.current_model = int(state["policy_version"]), state.get("model")
+            except (ValueError, KeyError, TypeError):
+                pass  # unreadable: the sessions' own versions below still say where the trainer was
         for path in sorted(self.journal_dir.glob("*.jsonl")):
             session = None
             for line in path.read_text(encoding="utf-8").splitlines():
