@@ -146,6 +146,32 @@ def train_config(args: argparse.Namespace):
     return resolve_config(file_values, {name: getattr(args, name) for name in FIELDS if hasattr(args, name)})
 
 
+def _view(args: argparse.Namespace) -> int:
+    from harness_trainer.viewer.serve import Viewer, export_html, make_server
+
+    viewer = Viewer(args.run_dir, model=args.model)
+    if args.html:
+        page = export_html(viewer, args.html)
+        print(f"wrote the viewer for {viewer.root} to {page.parent}: open {page} in a browser")
+        return 0
+    try:
+        server = make_server(viewer, args.host, args.port)
+    except OSError as exc:
+        print(f"harness-train view: cannot listen on {args.host}:{args.port} ({exc.strerror}): pass another "
+              "--port (0 picks a free one)", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    runs = ", ".join(f"{r.path.name} ({len(r.rows)} rollouts)" for r in viewer.runs.values())
+    print(f"viewing {viewer.root}: {runs}\nopen http://{host}:{port}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from rich.live import Live
     from transformers.utils import logging as hf_logging
@@ -343,6 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "attention and MLP projections)")
     sft.set_defaults(func=_sft)
 
+    view = sub.add_parser("view", help="browse a run: rollouts, turns, every token's mask, logprob and version",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                          description="Serve a local page over an output folder of `harness-train train`, `eval` or "
+                                      "the proof, or write it as static files with --html.")
+    view.add_argument("run_dir", help="the run's --output-dir (a proof's folder shows each of its stages)")
+    view.add_argument("--port", type=int, default=8765, help="port to serve on (0: a free one)")
+    view.add_argument("--host", default="127.0.0.1", help="address to bind")
+    view.add_argument("--html", default=None, help="write the page and its data to this folder instead of serving")
+    view.add_argument("--model", default=None, help="model folder whose tokenizer decodes the tokens (default: found "
+                                                    "in the run folder)")
+    view.set_defaults(func=_view)
+
     _add_jobs_parser(sub)
 
     # Listed for --help only: main() hands `proxy ...` to the proxy's own interpreter before parsing.
@@ -350,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("train", "model", "serve", "eval", "sft", "jobs", "proxy")
+COMMANDS = ("train", "model", "serve", "eval", "sft", "view", "jobs", "proxy")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.sft import SFTError
     from harness_trainer.train import ConfigError
     from harness_trainer.trainer import TrainingStopped
+    from harness_trainer.viewer.runs import ViewerError
 
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C / SIGINT always interrupts cleanly: a shell starting us in the background from a script leaves
@@ -382,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (EngineError, FileExistsError, FileNotFoundError, TaskError, SandboxError, AdapterError, ProxyError,
-            SFTError, ConfigError, RewardError, TrainingStopped, JobError) as exc:
+            SFTError, ConfigError, RewardError, TrainingStopped, JobError, ViewerError) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
         return 1
 

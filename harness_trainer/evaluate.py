@@ -75,9 +75,22 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
                        mean_reward=sum(scored) / len(scored) if scored else None)
 
 
+def record_line(record: RolloutRecord) -> dict:
+    """A rollout record as rollouts.jsonl keeps it: the turns' token ids live once, in traces.jsonl (joined by
+    episode_id); here only their counts, so the record file stays small enough to index quickly."""
+    line = {k: v for k, v in asdict(record).items() if k != "training_trace"}
+    line["outcome"] = {k: v for k, v in line["outcome"].items() if k != "trace"}
+    turns = (record.training_trace or {}).get("turns", [])
+    line.update(turns=len(turns), sampled_tokens=sum(len(t["completion_token_ids"]) for t in turns),
+                trained_tokens=sum(sum(t["loss_mask"]) for t in turns),
+                context_tokens=max((len(t["prompt_token_ids"]) + len(t["completion_token_ids"]) for t in turns),
+                                   default=0))
+    return line
+
+
 def write_record(out: Path, record: RolloutRecord) -> None:
     with (out / "rollouts.jsonl").open("a") as f:
-        f.write(json.dumps({k: v for k, v in asdict(record).items() if k != "training_trace"}) + "\n")
+        f.write(json.dumps(record_line(record)) + "\n")
     if record.training_trace:
         trace = TrainingTrace.model_validate(record.training_trace)
         for turn in trace.turns:  # so a trace can be joined to its rollout record (e.g. sft --only-rewarded)
@@ -137,5 +150,9 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
                 if progress:
                     progress(record, len(records), len(jobs))
     summary = summarise(records, len(tasks))
-    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
+    from harness_trainer.tiny_model import ensure_tiny_model
+
+    model = cfg.model or (None if cfg.vllm_url else str(ensure_tiny_model()))
+    (out / "summary.json").write_text(json.dumps(asdict(summary) | {"model": model}, indent=2) + "\n")
     return summary, records

@@ -10,6 +10,7 @@
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
+#   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -148,4 +149,13 @@ install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it 
 if [ "${HARBOR:-0}" = 1 ]; then run_step harbor "$HARBOR_VERSION" install_harbor; fi
 if command -v bwrap >/dev/null 2>&1; then echo "setup: bubblewrap is present"
 else run_step bubblewrap "apt" install_bwrap; fi
+install_chromium() {  # the run viewer's tests drive a real headless browser
+  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install chromium chromium-driver yourself"; return 1; fi
+  local pkgs="chromium chromium-driver"
+  apt-get install -y --no-install-recommends $pkgs || { apt-get update && apt-get install -y --no-install-recommends $pkgs; }
+  chromium --version && chromedriver --version
+}
+if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then echo "setup: chromium is present"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then run_step chromium "apt" install_chromium
+else echo "setup: skipping chromium (needs root and apt): the viewer's browser tests will be skipped" >&2; fi
 echo "setup: ready ($DEVICE)"

@@ -63,3 +63,21 @@ def fresh_engine(engine, proxy, tiny_model_dir):
         if model.get("parent"):
             httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30)
     proxy.client.set_policy_version(0)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(engine, tmp_path_factory):
+    """The 2-step smoke run of `harness-train` (mini-swe-agent, the embedded default, an engine of its own), once
+    per session: its test checks what it leaves behind, the viewer's tests browse its folder."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("smoke")
+    out = root / "run"
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.cli",
+        "--harness", "mini-swe-agent", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
+        "--max-concurrent-rollouts", "2", "--agent-step-limit", "2", "--max-completion-tokens", "48",
+        "--learning-rate", "1e-3", "--report-to", "trackio", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TRACKIO_DIR=str(root / "trackio")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

@@ -32,18 +32,12 @@ def _leftovers(marker: str) -> list[str]:
     return found
 
 
-def test_two_step_smoke_run_leaves_a_servable_checkpoint_and_nothing_running(engine, tiny_model_dir, tmp_path):
+def test_two_step_smoke_run_leaves_a_servable_checkpoint_and_nothing_running(smoke_run, engine, tiny_model_dir):
     from harness_trainer.engine import teacher_forced_logprobs
     from harness_trainer.weight_sync import reload_weights
 
-    out = tmp_path / "run"
-    result = subprocess.run(HARNESS_TRAIN + [
-        "--harness", "mini-swe-agent", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
-        "--max-concurrent-rollouts", "2", "--agent-step-limit", "2", "--max-completion-tokens", "48",
-        "--learning-rate", "1e-3", "--report-to", "trackio", "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio")))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _leftovers(str(tmp_path)) == []
+    out = smoke_run  # the run itself is the session fixture (conftest.py): the viewer's tests browse it too
+    assert _leftovers(str(out.parent)) == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["policy_version"] == 3
     assert (out / "reward_curve.png").stat().st_size > 1000

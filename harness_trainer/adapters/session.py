@@ -66,6 +66,8 @@ class RolloutRecord:
     agent_exit: int | None = None
     seconds: float = 0.0
     policy_versions: list[int] = field(default_factory=list)
+    verifier_output: str = ""  # the end of test.sh's stdout and stderr
+    calls: list[dict] = field(default_factory=list)  # every captured call, ids left out: the rollout graph
 
 
 class LocalSession:
@@ -147,11 +149,26 @@ class LocalSession:
         except Exception:  # a reason is only information; never fail a rollout over it
             return []
 
+    def rollout_calls(self) -> list[dict]:
+        """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),
+        without their token ids: the rollout graph the run viewer draws."""
+        keep = ("node_id", "index", "role", "parent", "n_tools", "finish_reason", "policy_version", "model",
+                "problem", "dialect", "stream")
+        try:
+            calls = self.factory.proxy.rollout(self.capture["id"])["calls"] if self.capture else []
+        except Exception:  # information only; never fail a rollout over it
+            return []
+        return [{**{k: c.get(k) for k in keep}, "prompt_tokens": len(c.get("prompt_token_ids") or []),
+                 "completion_tokens": len(c.get("completion_token_ids") or []),
+                 "seconds": round(max(0.0, (c.get("finished") or 0) - (c.get("started") or 0)), 3)} for c in calls]
+
     def verify(self, transcript: list | None = None, final_state=None) -> VerifyResult:
         if self.sandbox is None or self.error:
             return VerifyResult(env_reward=None, done=True, metrics={"verifier": self.error or "no sandbox"})
         result: VerifierResult = verify(self.sandbox, self.task, self.factory.reward_key)
-        return VerifyResult(env_reward=result.reward, done=True, metrics={"verifier": result.detail})
+        output = "\n".join(part for part in (result.stdout.strip(), result.stderr.strip()) if part)
+        return VerifyResult(env_reward=result.reward, done=True,
+                            metrics={"verifier": result.detail, "verifier_output": output})
 
     def cancel(self) -> None:
         """Stop the agent now (from another thread): the rollout ends 'cancelled', unverified and untrained."""
@@ -245,6 +262,7 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
             reason = _exit_reason(exit_code)
         verified = session.verify(session.report.completion)
+        calls = session.rollout_calls() if hasattr(session, "rollout_calls") else []
         if session.error:
             status = "unscorable"
         elif verified.env_reward is None:
@@ -262,7 +280,7 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             task=task.name, episode_id=session.episode_id, outcome=outcome, status=status, reason=reason,
             invalid_tool_calls=report.invalid_tool_calls, training_trace=wire,
             verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
-            seconds=time.perf_counter() - started,
-            policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}))
+            seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
+            calls=calls, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}))
     finally:
         session.close()
