@@ -134,8 +134,9 @@ def test_the_viewer_shows_the_smoke_run_in_a_real_browser(smoke_run, served, bro
     trace = traces[records[i]["episode_id"]]
     _check_turns(browser, trace)
     assert _wait(browser, "return document.querySelectorAll('#graph .point').length") == len(records[i]["calls"])
-    messages = browser.execute_script("return document.querySelectorAll('#conversation .message').length")
-    assert messages == len(records[i]["outcome"]["completion"])
+    browser.execute_script("document.getElementById('conversation').scrollIntoView()")  # loads when shown
+    _wait(browser, f"return document.querySelectorAll('#conversation .message').length === "
+                   f"{len(records[i]['outcome']['completion'])}")
     assert "reward" in browser.find_element("id", "verifier").text
     shot = tmp_path / "viewer.png"
     browser.save_screenshot(str(shot))

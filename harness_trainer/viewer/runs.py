@@ -219,9 +219,15 @@ class RunFolder:
              "finish_reason": m["finish_reason"]} for m in metas]
         for call in calls:
             call["turn"] = in_trace.get(call.get("node_id"))
-        return {"row": row, "record": {k: v for k, v in record.items() if k not in ("training_trace",)},
-                "messages": outcome.get("completion") or [], "turns": metas, "calls": calls,
-                "chunk": CHUNK}
+        record["messages"] = len(outcome.get("completion") or [])
+        return {"row": row, "record": record, "turns": metas, "calls": calls, "chunk": CHUNK}
+
+    def messages(self, i: int) -> dict:
+        """The agent's own view of the rollout (its messages, tool calls and outputs), apart from the turns: it
+        grows with the context, so the page asks for it only when it is shown."""
+        at = self._record_at[i]
+        outcome = (_read_line(self.path / "rollouts.jsonl", at).get("outcome") or {}) if at else {}
+        return {"messages": outcome.get("completion") or []}
 
     def trace_turns(self, i: int) -> list[dict]:
         if i in self._traces:

@@ -62,6 +62,8 @@ class Viewer:
                     return {"rows": run.rows}
                 case ["rollout", i]:
                     return run.rollout(_index(i, len(run.rows)))
+                case ["messages", i]:
+                    return run.messages(_index(i, len(run.rows)))
                 case ["tokens", i, j, chunk]:
                     return run.tokens(_index(i, len(run.rows)), int(j), int(chunk))
         raise KeyError(path)
@@ -72,7 +74,7 @@ class Viewer:
         for key, run in self.runs.items():
             yield from (f"{key}/overview", f"{key}/rollouts")
             for i in range(len(run.rows)):
-                yield f"{key}/rollout/{i}"
+                yield from (f"{key}/rollout/{i}", f"{key}/messages/{i}")
                 for j, turn in enumerate(run.trace_turns(i)):
                     total = len(turn["prompt_token_ids"]) + len(turn["completion_token_ids"])
                     for chunk in range(max(1, -(-total // CHUNK))):

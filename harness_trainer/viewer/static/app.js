@@ -49,7 +49,8 @@ const PANELS = [
   ["Groups", (k) => ["zero_variance_groups", "dropped_stale", "cancelled", "cancelled_in_flight", "failed"].includes(k)],
   ["Staleness and weight sync", (k) => ["staleness", "weight_sync_time_s", "train_time_s"].includes(k)],
   ["Tokens", (k) => ["trained_tokens", "completion_tokens_mean", "tree_tokens", "row_tokens"].includes(k) || k.includes("micro")],
-  ["Stability", (k) => ["entropy", "behaviour_kl_k3", "behaviour_clip_frac", "probe_gap"].includes(k) || k.startsWith("step_")],
+  ["Stability", (k) => ["loss", "grad_norm", "probe_gap", "behaviour_kl_k3", "behaviour_kl"].includes(k) || /^(entropy|step_)/.test(k)],
+  ["Policy ratios and clipping", (k) => /^(behaviour_|clip_|ratio_|is_)/.test(k)],
 ];
 const NOT_CURVES = new Set(["step", "version", "groups", "rollouts", "scorable", "lr"]);
 
@@ -69,19 +70,21 @@ function drawCharts(metrics) {
     box.append(div);
     const traces = names.map((k) => ({ x: steps, y: metrics.map((m) => (typeof m[k] === "boolean" ? +m[k] : m[k] ?? null)),
       name: k, mode: "lines+markers", type: "scatter" }));
-    Plotly.newPlot(div, traces, { title: { text: title, font: { size: 14 } }, height: 280, margin: { l: 50, r: 10, t: 36, b: 36 },
-      xaxis: { title: { text: "step" } }, legend: { orientation: "h", y: -0.25 } }, { displaylogo: false, responsive: true });
+    Plotly.newPlot(div, traces, { title: { text: `${title}, per step`, font: { size: 14 } }, height: 250 + 18 * Math.ceil(names.length / 3),
+      margin: { l: 50, r: 10, t: 36, b: 10 }, xaxis: { dtick: steps.length <= 20 ? 1 : undefined, automargin: true },
+      legend: { orientation: "h", y: -0.12, yanchor: "top", font: { size: 11 } } }, { displayModeBar: false, responsive: true });
   }
 }
 
+let stepsTable = null;
 function drawSteps(metrics) {
   const table = $("steps");
-  if (DataTable.isDataTable(table)) new DataTable(table).destroy();
+  if (stepsTable) { stepsTable.destroy(); stepsTable = null; }
   table.replaceChildren();
   if (!metrics.length) { $("steps-box").hidden = true; return; }
   $("steps-box").hidden = false;
   const keys = [...new Set(metrics.flatMap((m) => Object.keys(m)))];
-  new DataTable(table, { data: metrics, paging: false, scrollX: true, order: [[keys.indexOf("step"), "asc"]],
+  stepsTable = new DataTable(table, { data: metrics, paging: false, scrollX: true, order: [[keys.indexOf("step"), "asc"]],
     columns: keys.map((k) => ({ title: k, data: (row) => row[k] ?? null, render: (v) => (Array.isArray(v) ? v.join("; ") : fmt(v)) })) });
 }
 
@@ -151,8 +154,8 @@ function drawGraph(calls) {
       hoverinfo: "text" };
   });
   Plotly.newPlot(div, [edges, ...nodes], { height: 110 + 34 * lanes, margin: { l: 20, r: 10, t: 10, b: 40 },
-    xaxis: { title: { text: "call, in arrival order" }, dtick: 1, zeroline: false }, yaxis: { visible: false }, legend: { orientation: "h" } },
-  { displaylogo: false, responsive: true });
+    xaxis: { title: { text: "call, in arrival order" }, dtick: 1, zeroline: false }, yaxis: { visible: false },
+    legend: { orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom" } }, { displayModeBar: false, responsive: true });
   div.on("plotly_click", (ev) => {
     const turn = ev.points[0].customdata;
     if (turn != null) $(`turn-${turn}`).scrollIntoView({ behavior: "smooth" });
@@ -169,13 +172,17 @@ function drawMessages(messages) {
   if (!messages.length) $("conversation").append(el("p", { class: "note" }, "the agent reported no messages"));
 }
 
+function whenShown(node, load) {  // run load() once node nears the viewport
+  const seen = new IntersectionObserver((entries) => entries.forEach((e) => {
+    if (e.isIntersecting) { seen.unobserve(e.target); load(e.target).catch(showError); }
+  }), { rootMargin: "400px" });
+  seen.observe(node);
+}
+
 function drawTurns(doc, i) {
   const box = $("turns");
   box.replaceChildren();
   if (!doc.turns.length) { box.append(el("p", { class: "note" }, "no trainable turns were captured for this rollout")); return; }
-  const seen = new IntersectionObserver((entries) => entries.forEach((e) => {
-    if (e.isIntersecting) { seen.unobserve(e.target); loadTurn(e.target, doc, i); }
-  }), { rootMargin: "400px" });
   for (const t of doc.turns) {
     const total = t.prompt_tokens + t.completion_tokens;
     const node = el("div", { class: "turn", id: `turn-${t.j}` },
@@ -184,7 +191,7 @@ function drawTurns(doc, i) {
         (t.parent != null ? ` · continues turn ${t.parent} (its first ${t.start} tokens)` : " · a root")),
       el("div", { class: "tokens", "data-total": total }));
     box.append(node);
-    seen.observe(node);
+    whenShown(node, (target) => loadTurn(target, doc, i));
   }
 }
 
@@ -246,7 +253,8 @@ async function openRollout(i, turn) {
   document.querySelector(`#rollout-table tr[data-rollout="${i}"]`)?.classList.add("open");
   drawGraph(doc.calls);
   drawTurns(doc, i);
-  drawMessages(doc.messages);
+  $("conversation").replaceChildren(el("p", { class: "note" }, "loading the conversation ..."));
+  whenShown($("conversation"), async () => drawMessages((await get(`${state.run}/messages/${i}`)).messages));
   $("verifier").textContent = [rec.verifier_detail && `reward from: ${rec.verifier_detail}`, rec.verifier_output]
     .filter(Boolean).join("\n\n") || "no verifier output recorded";
   (turn != null ? $(`turn-${turn}`) : $("rollout")).scrollIntoView();
