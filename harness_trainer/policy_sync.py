@@ -75,8 +75,9 @@ class PolicySync:
         proxy, put_back, resynced = getattr(self.factory, "proxy", None), [], False
         try:
             if proxy is not None:
-                wait_for(f"the capture proxy at {proxy.url}", proxy.policy_state, timeout)
-                if proxy.policy_state()["policy_version"] != self.version:
+                state: dict = {}  # the liveness probe's answer is the state to check: asked once
+                wait_for(f"the capture proxy at {proxy.url}", lambda: state.update(proxy.policy_state()), timeout)
+                if state["policy_version"] != self.version:
                     proxy.set_policy_version(self.version, model=self.served_name)
                     put_back.append(f"the capture proxy restarted: its policy version is {self.version} again")
             if url:

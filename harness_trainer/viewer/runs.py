@@ -216,7 +216,7 @@ class RunFolder:
             {"node_id": m["node_id"], "index": m["index"], "role": "agent", "policy_version": m["version"],
              "parent": turns[m["parent"]]["node_id"] if m["parent"] is not None else None,
              "prompt_tokens": m["prompt_tokens"], "completion_tokens": m["completion_tokens"],
-             "finish_reason": m["finish_reason"]} for m in metas]
+             "finish_reason": m["finish_reason"], "model": m["model"]} for m in metas]
         for call in calls:
             call["turn"] = in_trace.get(call.get("node_id"))
         record["messages"] = len(outcome.get("completion") or [])

@@ -279,7 +279,6 @@ class FuzzReport:
     requests: int = 0
     outcomes: Counter = field(default_factory=Counter)
     statuses: Counter = field(default_factory=Counter)
-    routes: Counter = field(default_factory=Counter)
     findings: list[str] = field(default_factory=list)
     captured_answers: int = 0  # 200 answers to model calls that must have been recorded
     cut_model_calls: int = 0  # model calls the client hung up on (recorded or not)
@@ -335,7 +334,6 @@ def run_fuzz(proxy, n: int, random_seed: int, *, time_budget_s: float | None = N
         report.requests += 1
         report.outcomes[outcome] += 1
         report.statuses[answer.status] += 1
-        report.routes[probe.path.split("?")[0] if probe.path in MODEL_ROUTES + CONTROL_ROUTES else "other"] += 1
         if finding:
             report.findings.append(f"{probe.method} {probe.path} key={probe.key} mode={probe.mode} "
                                    f"body={probe.body[:120]!r}: {finding}")

@@ -150,7 +150,7 @@ function drawGraph(calls) {
     return { type: "scatter", mode: "markers", name: role, x: mine.map((c) => c.index), y: mine.map((c) => -lane.get(c.node_id)),
       customdata: mine.map((c) => c.turn), marker: { size: 14, color: colours[role] || "#57a" },
       text: mine.map((c) => `call ${c.index} (${role})<br>${c.prompt_tokens} prompt + ${c.completion_tokens} sampled tokens` +
-        `<br>policy version ${fmt(c.policy_version)} · finish ${fmt(c.finish_reason)}` + (c.problem ? `<br>${c.problem}` : "")),
+        `<br>policy version ${fmt(c.policy_version)} (${fmt(c.model)}) · finish ${fmt(c.finish_reason)}` + (c.problem ? `<br>${c.problem}` : "")),
       hoverinfo: "text" };
   });
   Plotly.newPlot(div, [edges, ...nodes], { height: 110 + 34 * lanes, margin: { l: 20, r: 10, t: 10, b: 40 },
@@ -186,7 +186,7 @@ function drawTurns(doc, i) {
   for (const t of doc.turns) {
     const total = t.prompt_tokens + t.completion_tokens;
     const node = el("div", { class: "turn", id: `turn-${t.j}` },
-      el("div", { class: "turn-head" }, `turn ${t.j} · call ${t.index} · policy version ${fmt(t.version)} · ` +
+      el("div", { class: "turn-head" }, `turn ${t.j} · call ${t.index} · policy version ${fmt(t.version)} (${fmt(t.model)}) · ` +
         `${t.prompt_tokens} prompt + ${t.completion_tokens} sampled tokens, ${t.trained} trained · finish ${fmt(t.finish_reason)}` +
         (t.parent != null ? ` · continues turn ${t.parent} (its first ${t.start} tokens)` : " · a root")),
       el("div", { class: "tokens", "data-total": total }));
