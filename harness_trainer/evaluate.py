@@ -18,7 +18,7 @@ from harness_trainer.adapters.session import CaptureContractError, LocalSessionF
 from harness_trainer.adapters.tasks import Task, load_dataset
 from harness_trainer.engine import EngineConfig, VLLMServer, check_model_dir
 from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.traces import TrainingTrace, append_trace
+from harness_trainer.traces import TrainingTrace, append_trace, turn_counts
 
 
 @dataclass
@@ -80,11 +80,7 @@ def record_line(record: RolloutRecord) -> dict:
     episode_id); here only their counts, so the record file stays small enough to index quickly."""
     line = {k: v for k, v in asdict(record).items() if k != "training_trace"}
     line["outcome"] = {k: v for k, v in line["outcome"].items() if k != "trace"}
-    turns = (record.training_trace or {}).get("turns", [])
-    line.update(turns=len(turns), sampled_tokens=sum(len(t["completion_token_ids"]) for t in turns),
-                trained_tokens=sum(sum(t["loss_mask"]) for t in turns),
-                context_tokens=max((len(t["prompt_token_ids"]) + len(t["completion_token_ids"]) for t in turns),
-                                   default=0))
+    line.update(turn_counts((record.training_trace or {}).get("turns", [])))
     return line
 
 

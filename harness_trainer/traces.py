@@ -15,7 +15,15 @@ from openenv.core.harness.training import TrainingTrace, TrainingTurn
 from pydantic import ValidationError
 
 __all__ = ["TrainingTrace", "TrainingTurn", "TraceFileError", "iter_traces", "read_traces", "write_traces",
-           "append_trace"]
+           "append_trace", "turn_counts"]
+
+
+def turn_counts(turns: list[dict]) -> dict:
+    """A trace's size in a rollout record (wire-form turns): turns, tokens sampled, trained, the longest context."""
+    return {"turns": len(turns), "sampled_tokens": sum(len(t["completion_token_ids"]) for t in turns),
+            "trained_tokens": sum(sum(t["loss_mask"]) for t in turns),
+            "context_tokens": max((len(t["prompt_token_ids"]) + len(t["completion_token_ids"]) for t in turns),
+                                  default=0)}
 
 
 class TraceFileError(ValueError):

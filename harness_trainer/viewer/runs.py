@@ -20,6 +20,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from harness_trainer.prefixes import longest_prefix_parents
+from harness_trainer.traces import turn_counts
 
 RUN_FILES = ("rollouts.jsonl", "traces.jsonl", "metrics.jsonl")
 CHUNK = 2048  # tokens per piece of a turn the page loads
@@ -66,16 +67,14 @@ def find_tokenizer(run: Path, root: Path, model: Path | None = None) -> Path | N
 
 
 def _read_model_name(path: Path) -> str | None:
-    if not path.is_file():
+    """The `model` of a config.yaml or summary.json (None when absent or unreadable)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) if path.is_file() else None  # JSON is YAML
+    except yaml.YAMLError:
         return None
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            return (json.loads(text) or {}).get("model")
-        except (ValueError, AttributeError):
-            return None
-    match = re.search(r"^model:\s*(\S.*)$", text, re.M)
-    return match.group(1).strip().strip("'\"") if match and match.group(1).strip() != "null" else None
+    return data.get("model") if isinstance(data, dict) else None
 
 
 class Decoder:
@@ -157,9 +156,7 @@ class RunFolder:
         outcome = record.get("outcome") or {}
         old = outcome.get("trace")  # records written before rollouts.jsonl left the ids to traces.jsonl
         if "turns" not in record and old:
-            record.update(turns=len(old), sampled_tokens=sum(len(t["completion_token_ids"]) for t in old),
-                          trained_tokens=sum(sum(t["loss_mask"]) for t in old),
-                          context_tokens=max(len(t["prompt_token_ids"]) + len(t["completion_token_ids"]) for t in old))
+            record.update(turn_counts(old))
         by_name = outcome.get("tool_calls_by_name") or {}
         self.rows.append({
             "i": len(self.rows), "task": record.get("task", ""), "episode_id": record.get("episode_id", ""),
