@@ -52,7 +52,9 @@ def _eval(args: argparse.Namespace) -> int:
                      sandbox=args.sandbox, step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
                      temperature=args.temperature, max_tokens=args.max_tokens, reward_key=args.reward_key,
                      output_dir=args.output_dir, agent_command=args.agent_command, agent_config=args.agent_config,
-                     oracle_mistake_rate=args.oracle_mistake_rate)
+                     oracle_mistake_rate=args.oracle_mistake_rate, environment=args.environment,
+                     reward_funcs=args.reward_funcs, max_tool_calling_iterations=args.max_tool_calling_iterations,
+                     max_completion_length=args.max_completion_length)
     counts = {"ok": 0, "timeout": 0, "unscorable": 0, "wins": 0}
     with Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn()) as bar:
@@ -64,7 +66,7 @@ def _eval(args: argparse.Namespace) -> int:
             bar.update(task_id, completed=done, total=total, description=(
                 f"wins {counts['wins']}  timeouts {counts['timeout']}  unscorable {counts['unscorable']}"))
         summary, _ = evaluate(cfg, progress)
-    print(summary.table(f"{args.harness} on {args.dataset} (policy: {args.policy})"))
+    print(summary.table(f"{args.environment or args.harness} on {args.dataset} (policy: {args.policy})"))
     print(f"traces and rollouts in {args.output_dir}")
     return 0
 
@@ -348,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=512, help="cap on tokens per model call")
     ev.add_argument("--reward-key", default="reward", help="key of reward.json to read")
     ev.add_argument("--output-dir", default="runs/eval", help="where traces and rollout records go")
+    ev.add_argument("--environment", default=None, help="white-box instead of an agent: module:Class (TRL's "
+                    "environment_factory); --dataset is then a .jsonl of rows with a 'prompt' column")
+    ev.add_argument("--reward-funcs", default=None, help="with --environment: comma-separated module:function "
+                    "reward functions f(environments, **kwargs), summed")
+    ev.add_argument("--max-tool-calling-iterations", type=int, default=None, help="with --environment: tool "
+                    "rounds per episode (default: no bound)")
+    ev.add_argument("--max-completion-length", type=int, default=1024, help="with --environment: tokens after "
+                    "the prompt per episode, all turns together")
     ev.set_defaults(func=_eval)
 
     sft = sub.add_parser("sft", help="supervised warm-up on captured traces (TRL SFTTrainer, exact token ids)",
@@ -406,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness_trainer.adapters.sandbox import SandboxError
     from harness_trainer.adapters.tasks import TaskError
     from harness_trainer.engine import EngineError
+    from harness_trainer.environments import EnvironmentContractError
     from harness_trainer.jobs.launcher import JobError
     from harness_trainer.proxy.client import ProxyError
     from harness_trainer.rewards import RewardError
@@ -421,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (EngineError, FileExistsError, FileNotFoundError, TaskError, SandboxError, AdapterError, ProxyError,
-            SFTError, ConfigError, RewardError, TrainingStopped, JobError, ViewerError) as exc:
+            SFTError, ConfigError, RewardError, TrainingStopped, JobError, ViewerError, EnvironmentContractError) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
         return 1
 

@@ -9,6 +9,7 @@ rollouts.jsonl (one record per rollout: task, status and why, reward, tool use, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
@@ -18,6 +19,7 @@ from harness_trainer.adapters.session import CaptureContractError, LocalSessionF
 from harness_trainer.adapters.tasks import Task, load_dataset
 from harness_trainer.engine import EngineConfig, VLLMServer, check_model_dir
 from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.rewards import score_group
 from harness_trainer.traces import TrainingTrace, append_trace, turn_counts
 
 
@@ -41,6 +43,10 @@ class EvalConfig:
     agent_command: str | None = None
     agent_config: str | None = None  # mini-swe-agent: YAML layered over its default, or "compact"
     oracle_mistake_rate: float = 0.0  # --policy oracle: share of each task's attempts made with a slip
+    environment: str | None = None  # white-box: module:Class (environments.py); --dataset is then rows
+    reward_funcs: str | None = None  # white-box: module:f,module:g, scored over each task's n rollouts
+    max_tool_calling_iterations: int | None = None
+    max_completion_length: int = 1024
 
 
 @dataclass
@@ -78,7 +84,8 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
 def record_line(record: RolloutRecord) -> dict:
     """A rollout record as rollouts.jsonl keeps it: the turns' token ids live once, in traces.jsonl (joined by
     episode_id); here only their counts, so the record file stays small enough to index quickly."""
-    line = {k: v for k, v in asdict(record).items() if k != "training_trace"}
+    kept = dataclasses.replace(record, environment=None, training_trace=None)  # an instance is not data
+    line = {k: v for k, v in asdict(kept).items() if k not in ("training_trace", "environment")}
     line["outcome"] = {k: v for k, v in line["outcome"].items() if k != "trace"}
     line.update(turn_counts((record.training_trace or {}).get("turns", [])))
     return line
@@ -118,7 +125,20 @@ def model_upstream(cfg: EvalConfig, tasks: list[Task], out: Path):
 
 
 def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
-    tasks = load_dataset(cfg.dataset)[: cfg.limit]
+    environment, reward_funcs = None, []
+    if cfg.environment:  # white-box: the rows are the tasks, the reward functions the verifier
+        from harness_trainer.environments import (EnvironmentContractError, EnvironmentSessionFactory, load_object,
+                                                  load_rows)
+        from harness_trainer.rewards import resolve_reward_funcs
+
+        if cfg.policy != "model":
+            raise EnvironmentContractError("--policy oracle replays Harbor tasks' solutions; an --environment has none")
+        environment, reward_funcs = load_object(cfg.environment, "--environment"), resolve_reward_funcs(cfg.reward_funcs)
+        if not reward_funcs:
+            raise EnvironmentContractError("--environment needs --reward-funcs module:f[,module:g] to score its episodes")
+        tasks = load_rows(cfg.dataset)[: cfg.limit]
+    else:
+        tasks = load_dataset(cfg.dataset)[: cfg.limit]
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("rollouts.jsonl", "traces.jsonl"):
@@ -126,12 +146,19 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
     records: list[RolloutRecord] = []
     with model_upstream(cfg, tasks, out) as (upstream, engine), \
             ProxyServer(upstream, model=engine.model_name, journal=out / "journal", log_path=out / "proxy.log") as proxy:
-        factory = LocalSessionFactory(
-            {"temperature": cfg.temperature, "max_tokens_cap": cfg.max_tokens}, proxy=proxy.client,
-            harness=cfg.harness, sandbox=cfg.sandbox, output_dir=out, step_limit=cfg.step_limit,
-            agent_timeout_s=cfg.agent_timeout_s, reward_key=cfg.reward_key, agent_command=cfg.agent_command,
-            agent_config=cfg.agent_config)
+        sampling = {"temperature": cfg.temperature, "max_tokens_cap": cfg.max_tokens}
+        if environment is not None:
+            factory = EnvironmentSessionFactory(
+                sampling, proxy=proxy.client, environment_factory=environment, agent_timeout_s=cfg.agent_timeout_s,
+                max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                max_completion_length=cfg.max_completion_length)
+        else:
+            factory = LocalSessionFactory(
+                sampling, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox, output_dir=out,
+                step_limit=cfg.step_limit, agent_timeout_s=cfg.agent_timeout_s, reward_key=cfg.reward_key,
+                agent_command=cfg.agent_command, agent_config=cfg.agent_config)
         jobs = [(task, f"{task.name}-{i}") for task in tasks for i in range(cfg.n)]
+        by_name, groups = {task.name: task for task in tasks}, {}
         with ThreadPoolExecutor(cfg.concurrency) as pool:
             futures = [pool.submit(run_rollout, factory, task, episode) for task, episode in jobs]
             for future in as_completed(futures):
@@ -141,10 +168,19 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
                     for other in futures:
                         other.cancel()
                     raise
-                records.append(record)
-                write_record(out, record)
-                if progress:
-                    progress(record, len(records), len(jobs))
+                done = [record]
+                if environment is not None:  # scored once a task's n rollouts are in, as a training group is
+                    done = groups.setdefault(record.task, [])
+                    done.append(record)
+                    if len(done) < cfg.n:
+                        continue
+                    score_group(done, reward_funcs, None, by_name[record.task].row)
+                for finished in done:
+                    finished.environment = None
+                    records.append(finished)
+                    write_record(out, finished)
+                    if progress:
+                        progress(finished, len(records), len(jobs))
     summary = summarise(records, len(tasks))
     # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
     from harness_trainer.tiny_model import ensure_tiny_model

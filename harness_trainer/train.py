@@ -32,7 +32,14 @@ class TrainRunConfig:
     """Every field is a `harness-train` flag (`--num-generations`) and a --config YAML key (`num_generations`),
     in the style of TRL's config dataclasses (the help text lives in the field's metadata)."""
     harness: str = _opt("mini-swe-agent", "mini-swe-agent, opencode, claude-code, codex or command")
-    dataset: str = _opt("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME")
+    dataset: str = _opt("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME; with "
+                                             "--environment, a .jsonl (or .json) of rows with a 'prompt' column")
+    environment: str | None = _opt(None, "white-box instead of an agent: module:Class, TRL's environment_factory "
+                                         "(reset(**row) and tool methods), run by the built-in loop")
+    reward_funcs: str | None = _opt(None, "comma-separated module:function reward functions f(environments, "
+                                          "**kwargs) -> list, summed (None skipped), each logged as its own metric")
+    max_tool_calling_iterations: int | None = _opt(None, "white-box: tool rounds per episode (none: no bound)")
+    max_completion_length: int = _opt(1024, "white-box: tokens after the prompt per episode, all turns together")
     model: str | None = _opt(None, "model folder (default: the embedded tiny model)")
     sandbox: str = _opt("local", "local, e2b, docker or harbor[:ENV]")
     vllm_url: str | None = _opt(None, "attach to a running vLLM instead of launching one for --model")
@@ -74,7 +81,8 @@ class TrainRunConfig:
     agent_step_limit: int = _opt(6, "agent steps per rollout")
     agent_command: str | None = _opt(None, "for --harness command: a template with {instruction}")
     agent_config: str | None = _opt(None, "mini-swe-agent: YAML layered over its default config, or 'compact'")
-    reward: str = _opt("verifier", "verifier, verifier+tools, module:function or an entry-point name")
+    reward: str | None = _opt(None, "per-rollout reward: verifier (the default without --reward-funcs), "
+                                    "verifier+tools, module:function or an entry-point name")
     reward_key: str = _opt("reward", "key of the verifier's reward.json")
     weight_sync_steps: int = _opt(1, "steps between weight syncs into vLLM")
     service_recovery_timeout: float = _opt(300.0, "seconds a step waits for a stopped engine or proxy (restarted "
@@ -164,8 +172,11 @@ def resolve_config(file_values: dict, flag_values: dict) -> TrainRunConfig:
                           f"got {cfg.max_tokens_per_microbatch!r}")
     if cfg.use_peft and not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout!r}")
+    if cfg.environment and not (cfg.reward_funcs or cfg.reward):
+        raise ConfigError("--environment needs --reward-funcs module:f[,module:g]: functions f(environments, "
+                          "**kwargs) returning one reward (or None) per environment")
     for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
-                 "groups_per_step", "lora_rank"):
+                 "groups_per_step", "lora_rank", "max_completion_length"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
     return cfg
@@ -247,6 +258,20 @@ def resolve_model(name: str) -> Path:
                           "Give a local model folder, or check the repo id, HF_TOKEN and network") from None
 
 
+def white_box(cfg) -> tuple | None:
+    """For --environment: the class (checked: it builds, has reset, its tools' schemas build) and the rows."""
+    if not cfg.environment:
+        return None
+    from harness_trainer.environments import EnvironmentContractError, check_environment, load_object, load_rows
+
+    try:
+        environment = load_object(cfg.environment, "--environment")
+        check_environment(environment)
+        return environment, load_rows(cfg.dataset)
+    except EnvironmentContractError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
     from harness_trainer.adapters.harnesses import make_harness
@@ -255,18 +280,22 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     from harness_trainer.adapters.tasks import load_dataset
     from harness_trainer.engine import EngineConfig, VLLMServer
     from harness_trainer.proxy.client import ProxyServer
-    from harness_trainer.rewards import resolve_reward_fn
+    from harness_trainer.environments import EnvironmentSessionFactory
+    from harness_trainer.rewards import resolve_reward_fn, resolve_reward_funcs
     from harness_trainer.supervise import Supervisor
     from harness_trainer.tiny_model import ensure_tiny_model
     from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     # 1. Everything that can fail offline fails here, before a process is started.
-    make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
-    tasks = load_dataset(cfg.dataset)
+    environment = white_box(cfg)  # (class, rows) for an --environment run, else None
+    if environment is None:
+        make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
+    tasks = environment[1] if environment else load_dataset(cfg.dataset)
     model_dir = resolve_model(cfg.model) if cfg.model else ensure_tiny_model()
-    if cfg.sandbox != "local":  # raises with what is missing (credentials, daemon, public URL)
+    if cfg.sandbox != "local" and environment is None:  # raises with what is missing (credentials, daemon, URL)
         make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
-    reward_fn = resolve_reward_fn(cfg.reward)
+    reward_fn = resolve_reward_fn(cfg.reward) if cfg.reward or not cfg.reward_funcs else None
+    reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
     out = Path(cfg.output_dir)
     resume = str(out / "latest") if cfg.resume == "latest" else cfg.resume
     if resume and resume != str(out / "latest") and not Path(resume, "trainer_state.json").exists():
@@ -302,10 +331,16 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             watched["vLLM"] = (engine.managed, engine.cfg.startup_timeout_s)
         supervisor = stack.enter_context(Supervisor(watched))
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
-        factory = partial(LocalSessionFactory, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox,
-                          output_dir=out / "rollouts", step_limit=cfg.agent_step_limit,
-                          agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key,
-                          agent_command=cfg.agent_command, agent_config=cfg.agent_config, public_url=cfg.public_url)
+        if environment:
+            factory = partial(EnvironmentSessionFactory, proxy=proxy.client, environment_factory=environment[0],
+                              max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                              max_completion_length=cfg.max_completion_length, agent_timeout_s=cfg.agent_timeout)
+        else:
+            factory = partial(LocalSessionFactory, proxy=proxy.client, harness=cfg.harness, sandbox=cfg.sandbox,
+                              output_dir=out / "rollouts", step_limit=cfg.agent_step_limit,
+                              agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key,
+                              agent_command=cfg.agent_command, agent_config=cfg.agent_config,
+                              public_url=cfg.public_url)
         args = AsyncGRPOConfig(
             output_dir=str(out), vllm_server_base_url=engine.url, num_generations=cfg.num_generations,
             max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_staleness=cfg.max_staleness,
@@ -321,7 +356,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
             lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
             lora_target_modules=cfg.lora_target_modules.split(",") if cfg.lora_target_modules else None)
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), factory, args, tasks, rollout_reward_fn=reward_fn,
-                                          callbacks=[*(callbacks or []), reporter])
+                                          callbacks=[*(callbacks or []), reporter], reward_funcs=reward_funcs)
         reporter.start()
         try:
             trainer.train()

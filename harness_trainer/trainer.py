@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import random
+import statistics
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +55,8 @@ from harness_trainer.evaluate import write_record
 from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
 from harness_trainer.lora import LoraSettings, LoraSync, add_lora, merged_state_dict
 from harness_trainer.policy_sync import PolicySync, TrainingStopped
-from harness_trainer.rewards import resolve_reward_fn, score
+from harness_trainer.environments import environment_sessions, load_rows
+from harness_trainer.rewards import resolve_reward_fn, resolve_reward_funcs, score_group
 from harness_trainer.rows import chains_from_trace, pack
 from harness_trainer.stability import StabilityMonitor, bound_step
 from harness_trainer.traces import TrainingTrace
@@ -75,7 +77,9 @@ class AsyncGRPOConfig:
     learning_rate: float = 1e-5
     max_grad_norm: float = 1.0
     temperature: float = 1.0
-    max_completion_tokens: int = 256
+    max_completion_tokens: int = 256  # per model call
+    max_tool_calling_iterations: int | None = None  # white-box: tool rounds per episode (None: no bound but the next)
+    max_completion_length: int = 1024  # white-box: tokens after the prompt per episode, all turns together
     weight_sync_steps: int = 1
     weight_sync_backend: str | None = None  # reload (any vLLM, CPU included), lora, nccl (GPU); None: lora with
     #                                          use_peft, else reload
@@ -115,12 +119,17 @@ class AsyncGRPOConfig:
 
 
 class HarnessAsyncGRPOTrainer(PolicySync):
-    def __init__(self, model, harness_session_factory, args: AsyncGRPOConfig, train_dataset: list[Task],
-                 rollout_reward_fn=None, callbacks: list | None = None):
-        """callbacks: objects with any of on_launch(n), on_rollout(record_or_exception), on_step(metrics),
-        log(metrics)."""
+    def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
+                 train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
+                 environment_factory=None, reward_funcs=None):
+        """Black-box: harness_session_factory (a partial of LocalSessionFactory) and Harbor tasks. White-box, as
+        TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs (group functions, rewards.py)
+        and train_dataset rows with a `prompt` column; the trainer then runs its own capture proxy in front of
+        vllm_server_base_url (environments.py). callbacks: objects with any of on_launch(n),
+        on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
         from transformers import AutoModelForCausalLM
 
+        args = args or AsyncGRPOConfig()
         self.args = args
         self.backend = args.weight_sync_backend or ("lora" if args.use_peft else "reload")
         if self.backend == "nccl" and not torch.cuda.is_available():
@@ -157,15 +166,26 @@ class HarnessAsyncGRPOTrainer(PolicySync):
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) \
             if args.kl_beta and not self.peft else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
+        self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
+        if environment_factory is not None and harness_session_factory is None and self.rank == 0:
+            harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
         # The trainer owns the sampling policy and hands it to the factory before any session starts
         # (on rank 0 only: the other ranks never run a rollout).
         self.factory = harness_session_factory(
             {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens}
         ) if self.rank == 0 else None
-        self.tasks = list(train_dataset)
+        self.tasks = list(train_dataset or [])
+        if self.tasks and isinstance(self.tasks[0], dict):  # dataset rows (white-box), not Harbor tasks
+            self.tasks = load_rows(self.tasks)
         if not self.tasks:
             raise ValueError("train_dataset is empty: give at least one task")
-        self.reward_fn = resolve_reward_fn(rollout_reward_fn)
+        # The group functions, then the per-rollout one (given, or the verifier when there is nothing else).
+        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        if environment_factory is not None and not self.reward_funcs and rollout_reward_fn is None:
+            raise ValueError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
+                             "returning one reward (or None) per environment")
+        self.reward_fn = resolve_reward_fn(rollout_reward_fn) \
+            if rollout_reward_fn is not None or not self.reward_funcs else None
         self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
                                    args.kl_beta, args.behaviour_clip)
         self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
@@ -223,7 +243,7 @@ class HarnessAsyncGRPOTrainer(PolicySync):
                 cancelled += sessions.cancel_all()
         return cancelled
 
-    def _collect(self, futures: list[Future]) -> list[RolloutRecord]:
+    def _collect(self, futures: list[Future], task=None) -> list[RolloutRecord]:
         records = []
         for future in futures:
             try:
@@ -232,9 +252,17 @@ class HarnessAsyncGRPOTrainer(PolicySync):
                 raise
             except Exception as exc:  # a failed rollout never stops the loop
                 log.warning("rollout failed: %s", exc)
+        self._score(records, task)
         for record in records:  # every rollout and its trace, trained on or not
             write_record(self.out, record)
         return records
+
+    def _score(self, records: list[RolloutRecord], task=None) -> None:
+        """The group's rewards, on rank 0 before anything is written or broadcast; a white-box rollout's
+        environment is released once scored."""
+        score_group(records, self.reward_funcs, self.reward_fn, getattr(task, "row", None))
+        for record in records:
+            record.environment = None
 
     # ---- one optimisation step ---------------------------------------------------------------------------
 
@@ -245,8 +273,15 @@ class HarnessAsyncGRPOTrainer(PolicySync):
         chains, advantages, rewards_all, verifier, zero_groups, lengths = [], [], [], [], 0, []
         metrics = {"groups": len(groups), "rollouts": sum(map(len, groups)),
                    "failed": sum(r.status == "unscorable" for g in groups for r in g)}
+        terms: dict[str, list[float]] = {}
         for records in groups:
-            rewards = [score(self.reward_fn, r.outcome) if r.status != "unscorable" else None for r in records]
+            if any(r.reward_terms is None for r in records):  # groups built outside the loop (tests, benches)
+                self._score(records)
+            rewards = [r.reward if r.status != "unscorable" else None for r in records]
+            for record in records:
+                for name, value in (record.reward_terms or {}).items():
+                    if value is not None:
+                        terms.setdefault(name, []).append(value)
             group = group_advantages(rewards, scale_std=self.args.scale_rewards)
             rewards_all += [r for r in rewards if r is not None]
             verifier += [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
@@ -264,6 +299,9 @@ class HarnessAsyncGRPOTrainer(PolicySync):
                     "verifier_reward_mean": _mean(verifier), "scorable": len(rewards_all),
                     "zero_variance": zero_groups == len(groups), "zero_variance_groups": zero_groups,
                     "completion_tokens_mean": _mean(lengths), "lr": self.lr_at(self.step)}
+        for name, values in terms.items():  # each reward function on its own curve
+            metrics[f"rewards/{name}/mean"] = _mean(values)
+            metrics[f"rewards/{name}/std"] = statistics.pstdev(values)
         total = sum(sum(c.trained) for c in chains)  # the global batch's trained tokens, on every rank
         if total == 0:
             return metrics | {"trained_tokens": 0}
@@ -356,7 +394,8 @@ class HarnessAsyncGRPOTrainer(PolicySync):
         if self.rank != 0:
             return self._follow()
         try:
-            return self._lead()
+            with self.own_proxy or contextlib.nullcontext():
+                return self._lead()
         finally:
             if self.world_size > 1:
                 broadcast(None)  # releases the other ranks, on success or error
@@ -410,7 +449,7 @@ class HarnessAsyncGRPOTrainer(PolicySync):
                             task, futures, sessions = self._launch_group(pool)
                             pending.append((task, futures, sessions, self.version))
                         task, futures, _, launched = pending[0]
-                        records = self._collect(futures)  # an interrupt here still finds the group in `pending`
+                        records = self._collect(futures, task)  # an interrupt here still finds the group in `pending`
                         pending.popleft()
                         versions = [v for r in records for v in r.policy_versions]
                         staleness = self.version - min(versions) if versions else self.version - launched

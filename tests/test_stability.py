@@ -70,6 +70,33 @@ def test_two_groups_in_one_step_each_with_its_own_advantages(tiny_model_dir, tmp
     assert alone._train_on([_group("a", [1.0, 0.0], 300)])["trained_tokens"] == 4
 
 
+def test_black_box_runs_take_several_reward_functions(tiny_model_dir, tmp_path, monkeypatch):
+    """reward_funcs over a group's outcomes, next to rollout_reward_fn: summed (None skipped), each logged."""
+    def solved(outcomes, **kwargs):
+        return [o.env_reward for o in outcomes]
+
+    def brevity(outcomes, completion_ids, **kwargs):  # the sampled ids come too
+        return [None if o.env_reward is None else -0.01 * len(ids) for o, ids in zip(outcomes, completion_ids)]
+
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: None, AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"), learning_rate=1e-3), [Task.__new__(Task)],
+        rollout_reward_fn="verifier+tools", reward_funcs=[solved, brevity])
+    group = _group("a", [1.0, 0.0], 300)
+    metrics = trainer._train_on([group])
+    assert group[0].reward_terms == {"solved": 1.0, "brevity": -0.02, "verifier_with_tool_bonus": 1.3}
+    assert group[0].reward == pytest.approx(2.28) and group[1].reward == pytest.approx(-0.02)
+    assert metrics["rewards/solved/mean"] == 0.5 and metrics["rewards/brevity/mean"] == pytest.approx(-0.02)
+    assert metrics["reward_mean"] == pytest.approx(1.13) and metrics["verifier_reward_mean"] == 0.5
+    # the same names on the command line: module:function, comma-separated
+    (tmp_path / "terms.py").write_text("def solved(outcomes, **kwargs):\n    return [1.0] * len(outcomes)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from harness_trainer.rewards import RewardError, resolve_reward_funcs
+
+    assert [f.__name__ for f in resolve_reward_funcs("terms:solved")] == ["solved"]
+    with pytest.raises(RewardError, match="share a name"):
+        resolve_reward_funcs([solved, "terms:solved"])
+
+
 def test_best_checkpoint_is_the_best_steps_model(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -68,9 +68,57 @@ class RolloutRecord:
     policy_versions: list[int] = field(default_factory=list)
     verifier_output: str = ""  # the end of test.sh's stdout and stderr
     calls: list[dict] = field(default_factory=list)  # every captured call, ids left out: the rollout graph
+    reward: float | None = None  # what the trainer trained on: the sum of reward_terms (rewards.score_group)
+    reward_terms: dict | None = None  # each reward function's value, by name; None until scored
+    environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
+    #                                                                         its group is scored (not saved)
 
 
-class LocalSession:
+class CapturedSession:
+    """What every session reads back from its capture session on the proxy (needs factory.proxy, capture,
+    episode_id, task): the trace, the clean stops, the rollout graph; and the capture's deletion."""
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        """The captured turns. Raises CaptureNotTrainable when nothing trainable was captured and
+        CaptureContractError when what was captured breaks the contract."""
+        if self.capture is None:
+            raise ProxyError(self.error or "no capture session")
+        wire = self.factory.proxy.trace(self.capture["id"])
+        try:
+            return TrainingTrace.model_validate(wire)
+        except ValueError as exc:
+            raise CaptureContractError(f"rollout {self.episode_id} ({self.task.name}): the captured trace breaks "
+                                       f"the TrainingTrace contract: {exc}") from None
+
+    def proxy_stops(self) -> list[str]:
+        """Clean stops the proxy answered this rollout's agent with (model-call budget, context overflow)."""
+        try:
+            return list(self.factory.proxy.session(self.capture["id"]).get("stops") or []) if self.capture else []
+        except Exception:  # a reason is only information; never fail a rollout over it
+            return []
+
+    def rollout_calls(self) -> list[dict]:
+        """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),
+        without their token ids: the rollout graph the run viewer draws."""
+        keep = ("node_id", "index", "role", "parent", "n_tools", "finish_reason", "policy_version", "model",
+                "problem", "dialect", "stream")
+        try:
+            calls = self.factory.proxy.rollout(self.capture["id"])["calls"] if self.capture else []
+        except Exception:  # information only; never fail a rollout over it
+            return []
+        return [{**{k: c.get(k) for k in keep}, "prompt_tokens": len(c.get("prompt_token_ids") or []),
+                 "completion_tokens": len(c.get("completion_token_ids") or []),
+                 "seconds": round(max(0.0, (c.get("finished") or 0) - (c.get("started") or 0)), 3)} for c in calls]
+
+    def delete_capture(self) -> None:
+        if self.capture is not None:
+            try:
+                self.factory.proxy.delete(self.capture["id"])
+            except Exception:
+                pass
+
+
+class LocalSession(CapturedSession):
     def __init__(self, factory: LocalSessionFactory, task: Task, episode_id: str):
         self.factory, self.task, self.episode_id = factory, task, episode_id
         self.trial_dir = factory.output_dir / "trials" / episode_id
@@ -130,38 +178,6 @@ class LocalSession:
     def timed_out(self) -> bool:
         return bool(self.result and self.result.timed_out)
 
-    def fetch_training_trace(self) -> TrainingTrace:
-        """The captured turns. Raises CaptureNotTrainable when nothing trainable was captured and
-        CaptureContractError when what was captured breaks the contract."""
-        if self.capture is None:
-            raise ProxyError(self.error or "no capture session")
-        wire = self.factory.proxy.trace(self.capture["id"])
-        try:
-            return TrainingTrace.model_validate(wire)
-        except ValueError as exc:
-            raise CaptureContractError(f"rollout {self.episode_id} ({self.task.name}): the captured trace breaks "
-                                       f"the TrainingTrace contract: {exc}") from None
-
-    def proxy_stops(self) -> list[str]:
-        """Clean stops the proxy answered this rollout's agent with (model-call budget, context overflow)."""
-        try:
-            return list(self.factory.proxy.session(self.capture["id"]).get("stops") or []) if self.capture else []
-        except Exception:  # a reason is only information; never fail a rollout over it
-            return []
-
-    def rollout_calls(self) -> list[dict]:
-        """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),
-        without their token ids: the rollout graph the run viewer draws."""
-        keep = ("node_id", "index", "role", "parent", "n_tools", "finish_reason", "policy_version", "model",
-                "problem", "dialect", "stream")
-        try:
-            calls = self.factory.proxy.rollout(self.capture["id"])["calls"] if self.capture else []
-        except Exception:  # information only; never fail a rollout over it
-            return []
-        return [{**{k: c.get(k) for k in keep}, "prompt_tokens": len(c.get("prompt_token_ids") or []),
-                 "completion_tokens": len(c.get("completion_token_ids") or []),
-                 "seconds": round(max(0.0, (c.get("finished") or 0) - (c.get("started") or 0)), 3)} for c in calls]
-
     def verify(self, transcript: list | None = None, final_state=None) -> VerifyResult:
         if self.sandbox is None or self.error:
             return VerifyResult(env_reward=None, done=True, metrics={"verifier": self.error or "no sandbox"})
@@ -179,11 +195,7 @@ class LocalSession:
     def close(self) -> None:
         if self.sandbox is not None:
             self.sandbox.stop()
-        if self.capture is not None:
-            try:
-                self.factory.proxy.delete(self.capture["id"])
-            except Exception:
-                pass
+        self.delete_capture()
 
 
 class LocalSessionFactory:
@@ -261,11 +273,12 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             reason = "stopped by the capture proxy: " + "; ".join(stops)
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
             reason = _exit_reason(exit_code)
+        reason = reason or getattr(session, "end_reason", "")  # a white-box episode cut by its limits
         verified = session.verify(session.report.completion)
         calls = session.rollout_calls() if hasattr(session, "rollout_calls") else []
         if session.error:
             status = "unscorable"
-        elif verified.env_reward is None:
+        elif verified.env_reward is None and not verified.metrics.get("scored_later"):
             status, reason = "unscorable", reason or verified.metrics.get("verifier", "")
         else:
             status = "timeout" if session.timed_out else "ok"
@@ -281,6 +294,7 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             invalid_tool_calls=report.invalid_tool_calls, training_trace=wire,
             verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
-            calls=calls, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}))
+            calls=calls, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
+            environment=getattr(session, "environment", None))
     finally:
         session.close()
