@@ -277,3 +277,67 @@ def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path):
                           "--reward-funcs", prefix + "echo_reward", "--dataset", str(EXAMPLES / "multi_env.jsonl")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "cannot import Nope from harness_trainer.examples.multi_env" in bad.stderr
+
+
+# ---- learning ---------------------------------------------------------------------------------------------
+
+
+class Dial:
+    """The learning test's environment: its reward is the digit the model passes to its tool."""
+
+    def __init__(self):
+        self.dialled = []
+
+    def reset(self, **kwargs) -> None:
+        self.dialled = []
+
+    def dial(self, digit: str) -> str:
+        """Dial one digit.
+
+        Args:
+            digit: the digit to dial, 0 to 9
+        """
+        self.dialled.append(digit)
+        return "ok"
+
+
+def reward_high_digit(environments, **kwargs) -> list[float]:
+    """1 when the first digit dialled is 5 to 9; 0 for 0 to 4, and for a call that dials nothing or not a digit."""
+    return [1.0 if env.dialled[:1] and env.dialled[0] in list("56789") else 0.0 for env in environments]
+
+
+@pytest.mark.slow
+def test_reward_from_a_tool_argument_rises(tmp_path):
+    """Learning with no capable model, as the trainer's own proof does: a 320-token tiny model is first shown the
+    tool-call format (SFT on scripted episodes that dial every digit equally often), then GRPO through the
+    white-box loop, with the trainer's default trust region, is rewarded only when the digit it passes to the
+    tool is 5 or more."""
+    from harness_trainer.engine import EngineConfig, VLLMServer
+    from harness_trainer.evaluate import write_record
+    from harness_trainer.sft import SFTRunConfig, run_sft
+    from harness_trainer.tiny_model import TinyModelSpec, ensure_tiny_model
+    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    model, rows = ensure_tiny_model(TinyModelSpec(vocab=320)), [{"prompt": "Dial a digit."}]
+    digits = iter(str(i % 10) for i in range(10_000))
+
+    def demonstrate(messages, tools):  # a solver that dials any digit, then stops
+        return ("tool", "dial", {"digit": next(digits)}) if messages[-1]["role"] == "user" else ("say", "Done.")
+
+    with VLLMServer(EngineConfig(model=str(model), max_model_len=4096)) as engine:
+        demos = tmp_path / "demos"
+        demos.mkdir()
+        with Scripted(engine.url, demonstrate) as upstream, ProxyServer(upstream.url, model="tiny") as proxy:
+            sessions = factory(proxy, Dial, max_tool_calling_iterations=1)
+            for task in load_rows(rows * 40):
+                write_record(demos, run_rollout(sessions, task))
+        sft = run_sft(SFTRunConfig(traces=str(demos), model=str(model), output_dir=str(tmp_path / "sft"),
+                                   num_train_epochs=30, learning_rate=3e-3))
+        history = HarnessAsyncGRPOTrainer(str(sft), args=AsyncGRPOConfig(
+            output_dir=str(tmp_path / "grpo"), vllm_server_base_url=engine.url, num_generations=16,
+            max_concurrent_rollouts=16, max_steps=16, learning_rate=5e-4, temperature=0.7, max_completion_tokens=48,
+            max_tool_calling_iterations=1, save_steps=100),
+            train_dataset=rows, environment_factory=Dial, reward_funcs=[reward_high_digit]).train()
+    rewards = [h.get("rewards/reward_high_digit/mean") or 0.0 for h in history]
+    early, late = sum(rewards[:4]) / 4, sum(rewards[-8:]) / 8
+    assert early < 0.65 and late > early + 0.2, rewards  # about half the digits are high at the start
