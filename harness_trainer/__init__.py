@@ -1,6 +1,27 @@
 """harness-trainer: reinforcement learning for coding agents you do not own.
 
 Data flows one way: agent -> proxy -> trace -> rows -> loss -> weights -> vLLM.
+
+The Python API, imported from here:
+
+    from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory, load_dataset
+    from harness_trainer import EnvironmentSessionFactory, load_rows, TrainRunConfig, run_training
+
+Names load on first use: the capture proxy runs in an environment without torch, and imports this package.
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+_API = {"AsyncGRPOConfig": "trainer", "HarnessAsyncGRPOTrainer": "trainer", "LocalSessionFactory": "adapters.session",
+        "HarnessRolloutOutcome": "adapters.session", "load_dataset": "adapters.tasks",
+        "EnvironmentSessionFactory": "environments", "load_rows": "environments", "TrainRunConfig": "train",
+        "run_training": "train"}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(importlib.import_module(f"harness_trainer.{_API[name]}"), name)
+    raise AttributeError(f"module 'harness_trainer' has no attribute {name!r}")
