@@ -107,6 +107,16 @@ def test_neutral_sampling_and_token_cap_are_enforced(proxy):
     assert turn["metadata"]["requested_sampling_params"]["top_p"] == 0.5
 
 
+def test_the_graph_is_the_rollout_without_its_tokens(proxy):
+    session = proxy.client.create_session()
+    post(session, {"messages": MESSAGES, "max_tokens": 3})
+    (full,), (graph,) = proxy.client.rollout(session["id"])["calls"], proxy.client.graph(session["id"])["calls"]
+    assert not {"prompt_token_ids", "completion_token_ids", "per_token_logps", "request", "message"} & set(graph)
+    assert graph["prompt_tokens"] == len(full["prompt_token_ids"]) and graph["completion_tokens"] == \
+        len(full["completion_token_ids"])
+    assert {k: v for k, v in full.items() if k in graph} == {k: v for k, v in graph.items() if k in full}
+
+
 def test_budget_exhausted_is_a_clean_unrecorded_stop(proxy):
     session = proxy.client.create_session(max_model_calls=1)
     post(session, {"messages": MESSAGES, "max_tokens": 2})

@@ -101,13 +101,12 @@ class CapturedSession:
         """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),
         without their token ids: the rollout graph the run viewer draws."""
         keep = ("node_id", "index", "role", "parent", "n_tools", "finish_reason", "policy_version", "model",
-                "problem", "dialect", "stream")
+                "problem", "dialect", "stream", "prompt_tokens", "completion_tokens")
         try:
-            calls = self.factory.proxy.rollout(self.capture["id"])["calls"] if self.capture else []
+            calls = self.factory.proxy.graph(self.capture["id"])["calls"] if self.capture else []
         except Exception:  # information only; never fail a rollout over it
             return []
-        return [{**{k: c.get(k) for k in keep}, "prompt_tokens": len(c.get("prompt_token_ids") or []),
-                 "completion_tokens": len(c.get("completion_token_ids") or []),
+        return [{**{k: c.get(k) for k in keep},
                  "seconds": round(max(0.0, (c.get("finished") or 0) - (c.get("started") or 0)), 3)} for c in calls]
 
     def delete_capture(self) -> None:

@@ -65,6 +65,10 @@ class ProxyClient:
     def rollout(self, session_id: str) -> dict:
         return self._call("GET", f"/sessions/{session_id}/rollout")
 
+    def graph(self, session_id: str) -> dict:
+        """The rollout document without token ids, requests and answers: links, roles, token counts."""
+        return self._call("GET", f"/sessions/{session_id}/graph")
+
     def delete(self, session_id: str) -> dict:
         return self._call("DELETE", f"/sessions/{session_id}")
 

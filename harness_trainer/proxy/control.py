@@ -6,6 +6,7 @@
   GET    /sessions/{id}                  one session's settings and call count              (admin or own key)
   GET    /sessions/{id}/trace            OpenEnv TrainingTrace, or 409 with why not          (admin or own key)
   GET    /sessions/{id}/rollout          the full capture document                          (admin or own key)
+  GET    /sessions/{id}/graph            the same without token ids, requests, answers      (admin or own key)
   DELETE /sessions/{id}                  forget a session and its journal                   (admin)
   POST   /sessions/{id}/policy_version   {"policy_version": N} for one session              (admin)
   POST   /policy_version                 {"policy_version": N} for every session            (admin)
@@ -123,6 +124,8 @@ class ControlRoutes:
                 return json_response(409, {"trainable": False, "reason": str(exc)})
         if tail == ["rollout"] and method == "GET":
             return json_response(200, rollout_document(session))
+        if tail == ["graph"] and method == "GET":
+            return json_response(200, rollout_document(session, ids=False))
         if tail == ["policy_version"] and method == "POST":
             version = body.get("policy_version")
             if not isinstance(version, int) or isinstance(version, bool):

@@ -106,17 +106,25 @@ def roles(calls: list[Call]) -> dict[int, str]:
     return result
 
 
-def rollout_document(session: Session) -> dict:
-    """The full capture: every call with its graph links and role, trainable or not."""
+def rollout_document(session: Session, ids: bool = True) -> dict:
+    """The full capture: every call with its graph links and role, trainable or not. With ids=False the graph
+    alone (GET /sessions/{id}/graph): each call's links, role and token counts, without its token ids, request
+    and answer, so reading it is linear in the calls, not in every prompt's tokens."""
     parent, role = parents(session.calls), roles(session.calls)
     calls = []
     for c in sorted(session.calls, key=lambda c: c.index):
-        entry = asdict(c)
+        # a shallow copy: the lists are only serialised (asdict's deep copy of every prompt cost as much again)
+        entry = dict(vars(c)) if ids else {k: v for k, v in vars(c).items() if k not in GRAPH_LEAVES_OUT}
+        if not ids:
+            entry.update(prompt_tokens=len(c.prompt_token_ids), completion_tokens=len(c.completion_token_ids))
         entry.update(node_id=session.node_id(c), role=role[c.index],
                      parent=None if parent[c.index] is None else f"{session.id}:{parent[c.index]}")
         calls.append(entry)
     roots = [c["node_id"] for c in calls if c["parent"] is None and c["role"] == "agent"]
     return {"session": session.summary(), "calls": calls, "roots": roots}
+
+
+GRAPH_LEAVES_OUT = ("prompt_token_ids", "completion_token_ids", "per_token_logps", "request", "message")
 
 
 class NotTrainable(Exception):
