@@ -267,6 +267,15 @@ def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path):
     assert train.returncode == 0, train.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(any(k.startswith("rewards/") for k in m) for m in metrics)
+    from harness_trainer.viewer.runs import Decoder, RunFolder  # the viewer reads a white-box run as any other
+
+    folder = RunFolder(tmp_path / "train", Decoder(None))
+    shown = folder.rollout(0)
+    assert shown["record"]["reward_terms"].keys() == {"wordle_reward", "echo_reward"} and shown["turns"]
+    assert shown["calls"] and all(c["turn"] is not None for c in shown["calls"] if c["role"] == "agent")
+    view = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "view", str(tmp_path / "train"), "--html",
+                           str(tmp_path / "page")], capture_output=True, text=True, timeout=300)
+    assert view.returncode == 0 and (tmp_path / "page" / "index.html").exists(), view.stderr[-2000:]
     evaluated = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "eval", *common, "-n", "2", "--limit",
                                 "2", "--max-tokens", "16", "--output-dir", str(tmp_path / "eval")],
                                capture_output=True, text=True, timeout=600)

@@ -161,7 +161,9 @@ class RunFolder:
         self.rows.append({
             "i": len(self.rows), "task": record.get("task", ""), "episode_id": record.get("episode_id", ""),
             "status": record.get("status", ""), "reason": record.get("reason", ""),
-            "reward": outcome.get("env_reward"), "turns": record.get("turns"),
+            # what was trained on (reward functions, rollout_reward_fn), else the verifier's (eval, older runs)
+            "reward": record["reward"] if record.get("reward") is not None else outcome.get("env_reward"),
+            "turns": record.get("turns"),
             "sampled_tokens": record.get("sampled_tokens"), "trained_tokens": record.get("trained_tokens"),
             "context_tokens": record.get("context_tokens"),
             "tool_calls": " ".join(f"{k}×{v}" for k, v in sorted(by_name.items())),

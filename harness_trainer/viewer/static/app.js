@@ -255,7 +255,9 @@ async function openRollout(i, turn) {
   drawTurns(doc, i);
   $("conversation").replaceChildren(el("p", { class: "note" }, "loading the conversation ..."));
   whenShown($("conversation"), async () => drawMessages((await get(`${state.run}/messages/${i}`)).messages));
-  $("verifier").textContent = [rec.verifier_detail && `reward from: ${rec.verifier_detail}`, rec.verifier_output]
+  const terms = Object.entries(rec.reward_terms || {}).map(([k, v]) => `  ${k}: ${v === null ? "None" : v}`);
+  $("verifier").textContent = [rec.verifier_detail && `reward from: ${rec.verifier_detail}`,
+    terms.length && `reward functions (summed, None skipped):\n${terms.join("\n")}`, rec.verifier_output]
     .filter(Boolean).join("\n\n") || "no verifier output recorded";
   (turn != null ? $(`turn-${turn}`) : $("rollout")).scrollIntoView();
 }
