@@ -61,11 +61,6 @@ class EnvironmentTask:
     row: dict = field(hash=False, compare=False)
     agent_timeout_s: float = 600.0
 
-    @property
-    def instruction(self) -> str:  # what a table shows of it: the last user message
-        users = [m for m in self.row["prompt"] if m.get("role") == "user"]
-        return str(users[-1].get("content", "")) if users else ""
-
 
 def load_rows(source: str | Path | Iterable[Mapping]) -> list[EnvironmentTask]:
     """Dataset rows as tasks: a .jsonl / .json file, or any iterable of mappings (a list, a `datasets.Dataset`).
@@ -206,21 +201,10 @@ class EnvironmentSession(CapturedSession):
         self.cancelled = self.timed_out = False
         self._thread: threading.Thread | None = None
 
-    @property
-    def timeout_s(self) -> float:
-        return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
-
     def start(self) -> None:
-        f = self.factory
-        try:
-            self.capture = f.proxy.create_session(
-                policy=f.sampling, max_model_calls=f.max_model_calls,
-                metadata={"task": self.task.name, "episode_id": self.episode_id})
-        except Exception as exc:  # transport
-            self.error = f"could not create a capture session: {exc}"
-            return
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        if self.open_capture():
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         try:

@@ -120,6 +120,15 @@ def _nansum(values) -> float | None:
     return float(sum(present)) if present else None
 
 
+def _call(fn, kwargs: dict):
+    try:
+        return fn(**kwargs)
+    except Exception as exc:  # the user's code: say whose, and what the group held
+        raise RewardError(f"reward function {reward_name(fn)} raised {type(exc).__name__}: {exc} (called with "
+                          f"{', '.join(sorted(kwargs))}; a function should take **kwargs for what it does not use)") \
+            from exc
+
+
 def _checked(fn, values, n: int) -> list[float | None]:
     name = reward_name(fn)
     if not isinstance(values, (list, tuple)) or len(values) != n:
@@ -151,7 +160,7 @@ def score_group(records: list, reward_funcs: list[GroupRewardFn], rollout_reward
               **{key: [value] * n for key, value in columns.items() if key not in ("completion", "completion_ids")}}
     if "prompt" in columns:
         kwargs["prompts"] = kwargs.pop("prompt")
-    terms = {reward_name(fn): _checked(fn, fn(**kwargs), n) for fn in reward_funcs}
+    terms = {reward_name(fn): _checked(fn, _call(fn, kwargs), n) for fn in reward_funcs}
     if any(r.environment is not None for r in live):
         for i, record in enumerate(live):
             record.outcome.env_reward = _nansum(values[i] for values in terms.values()) or 0.0

@@ -252,9 +252,11 @@ class HarnessAsyncGRPOTrainer(PolicySync):
                 raise
             except Exception as exc:  # a failed rollout never stops the loop
                 log.warning("rollout failed: %s", exc)
-        self._score(records, task)
-        for record in records:  # every rollout and its trace, trained on or not
-            write_record(self.out, record)
+        try:
+            self._score(records, task)
+        finally:  # every rollout and its trace, trained on or not, even when a reward function failed
+            for record in records:
+                write_record(self.out, record)
         return records
 
     def _score(self, records: list[RolloutRecord], task=None) -> None:

@@ -230,6 +230,12 @@ def test_reward_functions_are_checked_and_unclaimed_rollouts_score_zero(scripted
     with pytest.raises(RewardError, match="short returned .*one value per environment"):
         score_group(records, [short], None, task.row)
 
+    def strict(environments):  # takes no **kwargs
+        return [0.0] * len(environments)
+
+    with pytest.raises(RewardError, match=r"strict raised TypeError: .*unexpected keyword.*should take \*\*kwargs"):
+        score_group(records, [strict], None, task.row)
+
 
 # ---- training and eval ----------------------------------------------------------------------------------
 

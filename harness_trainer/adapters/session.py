@@ -75,8 +75,24 @@ class RolloutRecord:
 
 
 class CapturedSession:
-    """What every session reads back from its capture session on the proxy (needs factory.proxy, capture,
-    episode_id, task): the trace, the clean stops, the rollout graph; and the capture's deletion."""
+    """What every session does with its capture session on the proxy (needs factory.proxy, factory.sampling,
+    factory.max_model_calls, factory.agent_timeout_s, task, episode_id, capture, error): open it, read back the
+    trace, the clean stops and the rollout graph, delete it."""
+
+    @property
+    def timeout_s(self) -> float:
+        return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
+
+    def open_capture(self) -> bool:
+        """The rollout's own capture session (its key is the agent's API key); False, with error set, if none."""
+        f = self.factory
+        try:
+            self.capture = f.proxy.create_session(
+                policy=f.sampling, max_model_calls=f.max_model_calls,
+                metadata={"task": self.task.name, "episode_id": self.episode_id})
+        except Exception as exc:  # transport
+            self.error = f"could not create a capture session: {exc}"
+        return self.capture is not None
 
     def fetch_training_trace(self) -> TrainingTrace:
         """The captured turns. Raises CaptureNotTrainable when nothing trainable was captured and
@@ -131,12 +147,7 @@ class LocalSession(CapturedSession):
 
     def start(self) -> None:
         f = self.factory
-        try:
-            self.capture = f.proxy.create_session(
-                policy=f.sampling, max_model_calls=f.max_model_calls,
-                metadata={"task": self.task.name, "episode_id": self.episode_id})
-        except Exception as exc:  # transport
-            self.error = f"could not create a capture session: {exc}"
+        if not self.open_capture():
             return
         try:
             self.sandbox = f.make_sandbox(self.trial_dir, self.task)
@@ -152,10 +163,6 @@ class LocalSession(CapturedSession):
             return
         self._thread = threading.Thread(target=self._run, args=(command, env), daemon=True)
         self._thread.start()
-
-    @property
-    def timeout_s(self) -> float:
-        return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
 
     def _run(self, command: str, env: dict) -> None:
         self.result = self.sandbox.exec(command, self.timeout_s, env)
