@@ -1,7 +1,9 @@
 """Async GRPO over unmodified agents: rollouts keep running while the trainer steps.
 
     for each step:
-        fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task)
+        fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task:
+        an unmodified agent in a sandbox, adapters/session.py, or a white-box environment, environments.py)
+        score each finished group: reward functions over the group, rollout_reward_fn per rollout (rewards.py)
         take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
         versions old (groups still running that can no longer finish in time are cancelled after each sync)
         the engine and proxy must answer (waited for up to service_recovery_timeout_s: the CLI restarts
