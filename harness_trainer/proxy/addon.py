@@ -24,7 +24,7 @@ from mitmproxy import http
 
 from harness_trainer.proxy.capture import (Completion, PolicyRefusal, SamplingPolicy, SSEDecoder, event_data,
                                            prepare_chat_request)
-from harness_trainer.proxy.control import ControlRoutes, json_response
+from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.dialects import dialect_for
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
@@ -139,13 +139,6 @@ class Capture:
             per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
             problem=c.problem(), harness_session_id=self.harness_session_id,
             started=self.started, finished=time.time()))
-
-
-def session_key(request: http.Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
 
 
 class CaptureAddon:

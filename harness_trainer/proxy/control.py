@@ -33,6 +33,14 @@ def json_response(status: int, body) -> http.Response:
     return http.Response.make(status, json.dumps(body).encode(), {"content-type": "application/json"})
 
 
+def session_key(request: http.Request) -> str | None:
+    """The key a request carries: a session's id (its agent's API key), or the admin key."""
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+
+
 def _error(status: int, message: str) -> http.Response:
     return json_response(status, {"error": {"message": message, "code": status}})
 
@@ -45,8 +53,6 @@ class ControlRoutes:
 
     def _caller(self, request: http.Request) -> tuple[bool, str | None]:
         """(is admin, session id the caller holds the key of)."""
-        from harness_trainer.proxy.addon import session_key
-
         key = session_key(request) or request.headers.get("x-admin-key")
         if key and key in self.addon.store.sessions:
             return False, key
