@@ -95,6 +95,9 @@ Grouplog = logging.getLogger("harness_trainer")
 RewardFn = Callable[..., list]
 
 
+GroupRewardFn = Callable[..., list]  # f(environments=..., outcomes=..., **columns) -> one value per rollout
+
+
 def reward_name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 

@@ -11,7 +11,6 @@ import json
 import logging
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
