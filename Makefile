@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Each runs the idempotent set-up first.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow test-reliability demo engine-demo bench clean
+.PHONY: setup test test-slow test-reliability demo engine-demo bench docs clean
 
 setup:
 	@HARBOR=$(HARBOR) bash scripts/setup.sh
@@ -20,11 +20,15 @@ test-reliability: setup
 # The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~27 min).
 demo: setup
 	rm -rf runs/demo
-	$(PY) -m harness_trainer.proof --output-dir runs/demo
+	$(PY) -m harness_trainer.commands.proof --output-dir runs/demo
 
 # The engine half on its own: captured ids/logprobs, a weight reload, vLLM vs transformers (~1 min).
 engine-demo: setup
-	$(PY) -m harness_trainer.demo
+	$(PY) -m harness_trainer.commands.engine_demo
+
+# docs/cli.md from the configs' fields (tests/test_layout.py fails when it is stale).
+docs: setup
+	$(PY) -m harness_trainer.commands.reference > docs/cli.md
 
 bench: setup
 	$(PY) bench/engine.py

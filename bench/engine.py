@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from harness_trainer.engine import EngineConfig, VLLMServer, gpu_available
-from harness_trainer.tiny_model import ensure_tiny_model
-from harness_trainer.weight_sync import ram_dir, reload_weights, save_weights
+from harness_trainer.serving.engine import EngineConfig, VLLMServer, gpu_available
+from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights
 
 
 def one_request(url: str, tokens: int, seed: int) -> int:

@@ -28,11 +28,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness_trainer.adapters.session import run_rollout  # noqa: E402
-from harness_trainer.environments import EnvironmentSession, EnvironmentSessionFactory, load_rows  # noqa: E402
-from harness_trainer.process import ManagedProcess, free_port  # noqa: E402
+from harness_trainer.rollouts.session import run_rollout  # noqa: E402
+from harness_trainer.rollouts.environments import EnvironmentSession, EnvironmentSessionFactory, load_rows  # noqa: E402
+from harness_trainer.serving.process import ManagedProcess, free_port  # noqa: E402
 from harness_trainer.proxy.client import ProxyServer  # noqa: E402
-from harness_trainer.rewards import score_group  # noqa: E402
+from harness_trainer.rollouts.rewards import score_group  # noqa: E402
 
 TOOL_OUTPUT = "x" * 1600  # ~400 tokens
 
@@ -155,7 +155,7 @@ def episode(proxy, turns: int, trace_memory: bool) -> dict:
 
 
 def scoring(g: int) -> float:
-    from harness_trainer.adapters.session import HarnessRolloutOutcome, RolloutRecord
+    from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
 
     records = []
     for i in range(g):

@@ -24,9 +24,9 @@ from types import SimpleNamespace
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from harness_trainer.grpo import LossConfig, policy_loss
-from harness_trainer.rows import chain_logprobs, chains_from_trace, pack
-from harness_trainer.tree_forward import tree_logprobs
+from harness_trainer.training.grpo import LossConfig, policy_loss
+from harness_trainer.training.packing import chain_logprobs, chains_from_trace, pack
+from harness_trainer.training.tree_forward import tree_logprobs
 
 CONFIGS = {  # the embedded default's shape, and Qwen2.5-0.5B's
     "tiny": dict(vocab_size=4160, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -26,9 +26,9 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 import gpu_check  # noqa: E402
 from scale import group  # noqa: E402
 
-from harness_trainer.grpo import LossConfig, policy_loss  # noqa: E402
-from harness_trainer.rows import chains_from_trace, pack  # noqa: E402
-from harness_trainer.tree_forward import plan_ranges, tree_backward  # noqa: E402
+from harness_trainer.training.grpo import LossConfig, policy_loss  # noqa: E402
+from harness_trainer.training.packing import chains_from_trace, pack  # noqa: E402
+from harness_trainer.training.tree_forward import plan_ranges, tree_backward  # noqa: E402
 
 SHAPES = {
     "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

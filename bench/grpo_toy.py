@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from harness_trainer.adapters.session import HarnessRolloutOutcome, RolloutRecord
-from harness_trainer.adapters.tasks import Task
-from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
+from harness_trainer.rollouts.tasks import Task
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 TEMPERATURE, MAX_TOKENS, G = 0.7, 64, 8
 # name -> AsyncGRPOConfig fields (and the pipeline delay); "old" is the proof's recipe before issue 12

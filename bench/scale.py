@@ -35,9 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness_trainer.grpo import LossConfig, policy_loss  # noqa: E402
-from harness_trainer.rows import _parents, chains_from_trace, pack  # noqa: E402
-from harness_trainer.tree_forward import chunked_logprobs, tree_backward  # noqa: E402
+from harness_trainer.training.grpo import LossConfig, policy_loss  # noqa: E402
+from harness_trainer.training.packing import _parents, chains_from_trace, pack  # noqa: E402
+from harness_trainer.training.tree_forward import chunked_logprobs, tree_backward  # noqa: E402
 
 G, PROMPT, TURNS, COMPLETION, TOOL = 8, 12_000, 32, 100, 400
 
@@ -68,7 +68,7 @@ def rss_gib() -> float:
 def model():
     from transformers import AutoModelForCausalLM
 
-    from harness_trainer.tiny_model import ensure_tiny_model
+    from harness_trainer.models.tiny import ensure_tiny_model
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32)

@@ -18,17 +18,17 @@ import time
 
 import torch
 
-from harness_trainer.grpo import LossConfig, policy_loss
-from harness_trainer.rows import chains_from_trace, pack
-from harness_trainer.tree_forward import tree_logprobs
-from harness_trainer.traces import read_traces
+from harness_trainer.training.grpo import LossConfig, policy_loss
+from harness_trainer.training.packing import chains_from_trace, pack
+from harness_trainer.training.tree_forward import tree_logprobs
+from harness_trainer.traces.files import read_traces
 
 
 def collect(args) -> str:
-    from harness_trainer.evaluate import EvalConfig, evaluate
+    from harness_trainer.commands.evaluate import EvalConfig, evaluate
 
     out = tempfile.mkdtemp(prefix="bench-trainer-")
-    evaluate(EvalConfig(dataset="builtin:bugfix", policy="oracle", n=args.group, concurrency=4,
+    evaluate(EvalConfig(dataset="builtin:bugfix", policy="oracle", num_generations=args.group, max_concurrent_rollouts=4,
                         vllm_url=args.vllm_url, output_dir=out))
     return f"{out}/traces.jsonl"
 
@@ -43,12 +43,12 @@ def async_vs_sync(engine_url: str, steps: int = 8) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_trainer import SAY, say_task  # the few-line agent program and its task
 
-    from harness_trainer.adapters.harnesses import CommandHarness
-    from harness_trainer.adapters.session import LocalSessionFactory
-    from harness_trainer.adapters.tasks import load_task
+    from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.rollouts.session import LocalSessionFactory
+    from harness_trainer.rollouts.tasks import load_task
     from harness_trainer.proxy.client import ProxyServer
-    from harness_trainer.tiny_model import ensure_tiny_model
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     root = Path(tempfile.mkdtemp(prefix="bench-async-"))
     task = load_task(say_task(root))
@@ -80,7 +80,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from harness_trainer.tiny_model import ensure_tiny_model
+    from harness_trainer.models.tiny import ensure_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), attn_implementation="eager")
     # a step = one group: G consecutive traces (they share system prompt and task)

@@ -1,6 +1,6 @@
 """How the run viewer's data side grows with the run: the index over many rollouts, one rollout with a long trace.
 
-Writes synthetic run folders in the real formats (rollouts.jsonl records as evaluate.record_line writes them,
+Writes synthetic run folders in the real formats (rollouts.jsonl records as rollouts/records.py's record_line writes them,
 traces.jsonl as OpenEnv TrainingTraces, each turn's prompt = the previous turn's prompt + completion + a tool
 answer, as an agent's history grows) and measures, side by side in one run:
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness_trainer.viewer.runs import Decoder, RunFolder  # noqa: E402
+from harness_trainer.commands.viewer.runs import Decoder, RunFolder  # noqa: E402
 
 
 def _trace(episode: str, turns: int, context: int, rng: random.Random) -> dict:

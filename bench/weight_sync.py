@@ -18,10 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from harness_trainer.engine import EngineConfig, VLLMServer
-from harness_trainer.lora import LoraSettings, LoraSync, add_lora
-from harness_trainer.tiny_model import TinyModelSpec, ensure_tiny_model
-from harness_trainer.weight_sync import ram_dir, reload_weights, save_weights
+from harness_trainer.serving.engine import EngineConfig, VLLMServer
+from harness_trainer.training.lora import LoraSettings, add_lora
+from harness_trainer.serving.weight_sync import LoraSync
+from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
+from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights
 
 LARGE = TinyModelSpec(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, max_positions=4096)
 RANK = 16
@@ -60,10 +61,10 @@ STEP = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[4])
 from bench.scale import group
-from harness_trainer.grpo import LossConfig, policy_loss
-from harness_trainer.lora import LoraSettings, add_lora
-from harness_trainer.rows import chains_from_trace, pack
-from harness_trainer.tree_forward import tree_backward
+from harness_trainer.training.grpo import LossConfig, policy_loss
+from harness_trainer.training.lora import LoraSettings, add_lora
+from harness_trainer.training.packing import chains_from_trace, pack
+from harness_trainer.training.tree_forward import tree_backward
 from transformers import AutoModelForCausalLM
 
 def hwm():  # this process's peak RSS in GiB (VmHWM: ru_maxrss would carry the parent's peak across exec)

@@ -14,10 +14,10 @@ import importlib
 
 __version__ = "0.1.0"
 
-_API = {"AsyncGRPOConfig": "trainer", "HarnessAsyncGRPOTrainer": "trainer", "LocalSessionFactory": "adapters.session",
-        "HarnessRolloutOutcome": "adapters.session", "load_dataset": "adapters.tasks",
-        "EnvironmentSessionFactory": "environments", "load_rows": "environments", "TrainRunConfig": "train",
-        "run_training": "train"}
+_API = {"AsyncGRPOConfig": "training.config", "HarnessAsyncGRPOTrainer": "training.trainer",
+        "LocalSessionFactory": "rollouts.session", "HarnessRolloutOutcome": "rollouts.session",
+        "load_dataset": "rollouts.tasks", "EnvironmentSessionFactory": "rollouts.environments",
+        "load_rows": "rollouts.environments", "TrainRunConfig": "commands.train", "run_training": "commands.train"}
 __all__ = sorted(_API)
 
 

@@ -18,7 +18,7 @@ from selenium.webdriver.chrome.service import Service
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness_trainer.viewer.serve import Viewer, make_server  # noqa: E402
+from harness_trainer.commands.viewer.serve import Viewer, make_server  # noqa: E402
 
 
 def main() -> int:

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from harness_trainer.engine import EngineConfig, VLLMServer
-from harness_trainer.tiny_model import ensure_tiny_model
+from harness_trainer.serving.engine import EngineConfig, VLLMServer
+from harness_trainer.models.tiny import ensure_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def fresh_engine(engine, proxy, tiny_model_dir):
     the proxy back on the served model (for tests that sync weights into it)."""
     import httpx
 
-    from harness_trainer.weight_sync import reload_weights
+    from harness_trainer.serving.weight_sync import reload_weights
 
     yield engine
     reload_weights(engine, tiny_model_dir, version=0)
@@ -74,7 +74,7 @@ def smoke_run(engine, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("smoke")
     out = root / "run"
-    result = subprocess.run([sys.executable, "-m", "harness_trainer.cli",
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli",
         "--harness", "mini-swe-agent", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
         "--max-concurrent-rollouts", "2", "--agent-step-limit", "2", "--max-completion-tokens", "48",
         "--learning-rate", "1e-3", "--report-to", "trackio", "--output-dir", str(out)],

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.adapters.harnesses import AdapterError, CommandHarness
-from harness_trainer.adapters.sandbox import E2BSandbox, LocalSandbox, SandboxError
-from harness_trainer.adapters.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
+from harness_trainer.agents.harnesses import AdapterError, CommandHarness
+from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox, SandboxError
+from harness_trainer.rollouts.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
                                               run_rollout)
-from harness_trainer.adapters.tasks import TaskError, load_dataset, load_task
-from harness_trainer.adapters.verifier import verify
+from harness_trainer.rollouts.tasks import TaskError, load_dataset, load_task
+from harness_trainer.rollouts.verifier import verify
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.rewards import RewardError, resolve_reward_fn, score
+from harness_trainer.rollouts.rewards import RewardError, resolve_reward_fn, score
 from stubs import StubHandler
 
 # ---- tasks -------------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_reward_plugins(tmp_path, monkeypatch):
 def test_docker_without_a_daemon_is_a_clear_error(tmp_path):
     import shutil
 
-    from harness_trainer.adapters.sandbox import make_sandbox
+    from harness_trainer.agents.sandbox import make_sandbox
 
     if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
         pytest.skip("a Docker daemon is running here")
@@ -295,7 +295,7 @@ def test_docker_without_a_daemon_is_a_clear_error(tmp_path):
 
 
 def test_harbor_sandbox_errors_are_clear(tmp_path, monkeypatch):
-    from harness_trainer.adapters.sandbox import REPO_ROOT, make_sandbox
+    from harness_trainer.agents.sandbox import REPO_ROOT, make_sandbox
 
     monkeypatch.setenv("HARNESS_HARBOR_PYTHON", str(tmp_path / "no-python"))
     with pytest.raises(SandboxError, match="make setup HARBOR=1"):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from harness_trainer.cli import main
+from harness_trainer.commands.cli import main
 
 
 def test_help_lists_commands_with_defaults():
-    result = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "serve", "--help"],
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "serve", "--help"],
                             capture_output=True, text=True, check=True)
     assert "--max-model-len" in result.stdout and "(default: 32768)" in result.stdout
 
@@ -21,13 +21,13 @@ def test_serve_with_missing_model_is_a_clear_error(tmp_path, capsys):
 
 
 def test_model_tiny_prints_the_build(tiny_model_dir, tmp_path, capsys):
-    assert main(["model", "tiny", "--out", str(tmp_path / "m")]) == 0
+    assert main(["model", "tiny", "--output-dir", str(tmp_path / "m")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
     assert (tmp_path / "m" / "config.json").exists()
 
 
 def test_proxy_refuses_a_public_bind_without_admin_key():
-    result = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "proxy", "--upstream", "http://127.0.0.1:9",
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "proxy", "--upstream", "http://127.0.0.1:9",
                              "--host", "0.0.0.0"], capture_output=True, text=True,
                             env={k: v for k, v in __import__("os").environ.items() if k != "HARNESS_PROXY_ADMIN_KEY"})
     assert result.returncode == 2 and "without an admin key" in result.stderr
@@ -36,3 +36,56 @@ def test_proxy_refuses_a_public_bind_without_admin_key():
 def test_eval_with_unknown_dataset_is_a_clear_error_before_anything_starts(capsys):
     assert main(["eval", "--dataset", "builtin:nope"]) == 1
     assert "no builtin dataset 'nope'" in capsys.readouterr().err
+
+
+# ---- one CLI vocabulary (commands/flags.py) ------------------------------------------------------------------
+
+def test_the_same_setting_has_the_same_flag_in_every_command():
+    from harness_trainer.commands.cli import build_parser
+
+    parser = build_parser()
+    for command in ("train", "eval"):
+        args = parser.parse_args([command, "--num-generations", "3", "--max_concurrent_rollouts", "2",
+                                  "--max-completion-tokens", "64", "--agent-step-limit", "5", "--output-dir", "x"])
+        assert (args.num_generations, args.max_concurrent_rollouts, args.max_completion_tokens,
+                args.agent_step_limit, args.output_dir) == (3, 2, 64, 5, "x")
+    for argv in (["train", "--use-peft"], ["train", "--use-peft", "true"], ["sft", "--traces", "t", "--use_peft"]):
+        assert parser.parse_args(argv).use_peft is True
+    assert parser.parse_args(["train", "--use-peft", "false"]).use_peft is False
+
+
+def test_old_spellings_still_work_with_a_deprecation_line(capsys):
+    from harness_trainer.commands.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["eval", "-n", "3", "--concurrency", "2", "--max-tokens", "64"])
+    assert (args.num_generations, args.max_concurrent_rollouts, args.max_completion_tokens) == (3, 2, 64)
+    assert parser.parse_args(["train", "--resume", "latest"]).resume_from_checkpoint == "latest"
+    assert parser.parse_args(["sft", "--traces", "t", "--epochs", "2"]).num_train_epochs == 2.0
+    assert parser.parse_args(["model", "tiny", "--out", "m"]).output_dir == "m"
+    err = capsys.readouterr().err
+    for old, new in (("-n", "--num-generations"), ("--concurrency", "--max-concurrent-rollouts"),
+                     ("--max-tokens", "--max-completion-tokens"), ("--resume", "--resume-from-checkpoint"),
+                     ("--epochs", "--num-train-epochs"), ("--out", "--output-dir")):
+        assert f"{old} is deprecated and will be removed: use {new}" in err
+
+
+def test_a_mistyped_command_or_flag_gets_did_you_mean(capsys):
+    assert main(["evl", "--dataset", "builtin:toy"]) == 2
+    assert "unknown command 'evl': did you mean 'eval'?" in capsys.readouterr().err
+    try:
+        main(["eval", "--num-generatoins", "2", "--dataset", "builtin:nope"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "did you mean --num-generations?" in capsys.readouterr().err
+
+
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "harness_trainer", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("harness-train 0.")
+
+
+def test_an_unknown_dataset_lists_what_exists(capsys):
+    assert main(["eval", "--dataset", "no-such-folder"]) == 1
+    err = capsys.readouterr().err
+    assert "builtin:toy-train" in err and "builtin:logs" in err and "NAME@VERSION" not in err

@@ -16,9 +16,9 @@ from test_trainer import SAY, say_task  # the few-line agent program and its tas
 
 STEP = textwrap.dedent("""
     import sys, torch
-    from harness_trainer.adapters.session import HarnessRolloutOutcome, RolloutRecord
-    from harness_trainer.adapters.tasks import Task
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
+    from harness_trainer.rollouts.tasks import Task
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     model, out = sys.argv[1:3]
     def turn(node, prompt, completion):
@@ -75,11 +75,11 @@ def test_two_cpu_processes_take_the_single_process_step(tiny_model_dir, tmp_path
 RUN = textwrap.dedent("""
     import sys, shlex
     from functools import partial
-    from harness_trainer.adapters.harnesses import CommandHarness
-    from harness_trainer.adapters.session import LocalSessionFactory
-    from harness_trainer.adapters.tasks import load_task
+    from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.rollouts.session import LocalSessionFactory
+    from harness_trainer.rollouts.tasks import load_task
     from harness_trainer.proxy.client import ProxyClient
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
     engine, proxy, key, model, task, out, script = sys.argv[1:8]
     factory = partial(LocalSessionFactory, proxy=ProxyClient(proxy, key),
                       harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"), output_dir=out + "/r")
@@ -90,7 +90,7 @@ RUN = textwrap.dedent("""
 
 
 def test_async_run_with_two_ranks(engine, proxy, tiny_model_dir, tmp_path):
-    from harness_trainer.weight_sync import reload_weights
+    from harness_trainer.serving.weight_sync import reload_weights
 
     script = tmp_path / "run.py"
     script.write_text(RUN)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
-from harness_trainer.engine import EngineConfig, EngineError, VLLMServer, teacher_forced_logprobs
-from harness_trainer.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
+from harness_trainer.serving.engine import EngineConfig, EngineError, VLLMServer, teacher_forced_logprobs
+from harness_trainer.serving.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
 
 TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "Run a bash command and return its output.",

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.adapters.oracle import OracleUpstream
-from harness_trainer.adapters.session import run_rollout
-from harness_trainer.environments import (EnvironmentContractError, EnvironmentSessionFactory, check_environment,
+from harness_trainer.rollouts.oracle import OracleUpstream
+from harness_trainer.rollouts.session import run_rollout
+from harness_trainer.rollouts.environments import (EnvironmentContractError, EnvironmentSessionFactory, check_environment,
                                           load_rows)
 from harness_trainer.examples import echo, multi_env, wordle
 from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.rewards import RewardError, score_group
-from harness_trainer.rows import chains_from_trace
-from harness_trainer.traces import TrainingTrace
+from harness_trainer.rollouts.rewards import RewardError, score_group
+from harness_trainer.training.packing import chains_from_trace
+from harness_trainer.traces.files import TrainingTrace
 
 EXAMPLES = Path(wordle.__file__).parent
 
@@ -241,7 +241,7 @@ def test_reward_functions_are_checked_and_unclaimed_rollouts_score_zero(scripted
 
 def test_two_training_steps_log_each_reward_term(fresh_engine, tiny_model_dir, tmp_path):
     """TRL's call shape: environment_factory, reward_funcs, rows; the trainer runs its own capture proxy."""
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     rows = [json.loads(line) for line in (EXAMPLES / "wordle.jsonl").read_text().splitlines()][:2]
     trainer = HarnessAsyncGRPOTrainer(
@@ -265,29 +265,29 @@ def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path):
     prefix = "harness_trainer.examples.multi_env:"
     common = ["--environment", prefix + "MultiEnv", "--reward-funcs", f"{prefix}wordle_reward,{prefix}echo_reward",
               "--dataset", str(EXAMPLES / "multi_env.jsonl"), "--vllm-url", fresh_engine.url]
-    train = subprocess.run([sys.executable, "-m", "harness_trainer.cli", *common, "--max-steps", "2",
+    train = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", *common, "--max-steps", "2",
                             "--num-generations", "2", "--max-concurrent-rollouts", "2", "--max-completion-tokens",
                             "16", "--report-to", "none", "--output-dir", str(tmp_path / "train")],
                            capture_output=True, text=True, timeout=600)
     assert train.returncode == 0, train.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(any(k.startswith("rewards/") for k in m) for m in metrics)
-    from harness_trainer.viewer.runs import Decoder, RunFolder  # the viewer reads a white-box run as any other
+    from harness_trainer.commands.viewer.runs import Decoder, RunFolder  # the viewer reads a white-box run as any other
 
     folder = RunFolder(tmp_path / "train", Decoder(None))
     shown = folder.rollout(0)
     assert shown["record"]["reward_terms"].keys() == {"wordle_reward", "echo_reward"} and shown["turns"]
     assert shown["calls"] and all(c["turn"] is not None for c in shown["calls"] if c["role"] == "agent")
-    view = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "view", str(tmp_path / "train"), "--html",
+    view = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "view", str(tmp_path / "train"), "--html",
                            str(tmp_path / "page")], capture_output=True, text=True, timeout=300)
     assert view.returncode == 0 and (tmp_path / "page" / "index.html").exists(), view.stderr[-2000:]
-    evaluated = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "eval", *common, "-n", "2", "--limit",
-                                "2", "--max-tokens", "16", "--output-dir", str(tmp_path / "eval")],
+    evaluated = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "eval", *common, "--num-generations", "2", "--limit",
+                                "2", "--max-completion-tokens", "16", "--output-dir", str(tmp_path / "eval")],
                                capture_output=True, text=True, timeout=600)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "eval" / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 4 and {r["task"] for r in records} == {"row-0", "row-1"}
-    bad = subprocess.run([sys.executable, "-m", "harness_trainer.cli", "--environment", prefix + "Nope",
+    bad = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "--environment", prefix + "Nope",
                           "--reward-funcs", prefix + "echo_reward", "--dataset", str(EXAMPLES / "multi_env.jsonl")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "cannot import Nope from harness_trainer.examples.multi_env" in bad.stderr
@@ -326,11 +326,11 @@ def test_reward_from_a_tool_argument_rises(tmp_path):
     tool-call format (SFT on scripted episodes that dial every digit equally often), then GRPO through the
     white-box loop, with the trainer's default trust region, is rewarded only when the digit it passes to the
     tool is 5 or more."""
-    from harness_trainer.engine import EngineConfig, VLLMServer
-    from harness_trainer.evaluate import write_record
-    from harness_trainer.sft import SFTRunConfig, run_sft
-    from harness_trainer.tiny_model import TinyModelSpec, ensure_tiny_model
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
+    from harness_trainer.rollouts.records import write_record
+    from harness_trainer.commands.sft import SFTRunConfig, run_sft
+    from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     model, rows = ensure_tiny_model(TinyModelSpec(vocab=320)), [{"prompt": "Dial a digit."}]
     digits = iter(str(i % 10) for i in range(10_000))

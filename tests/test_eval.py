@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from harness_trainer.evaluate import EvalConfig, evaluate
-from harness_trainer.traces import read_traces
+from harness_trainer.commands.evaluate import EvalConfig, evaluate
+from harness_trainer.traces.files import read_traces
 
 
 def test_oracle_solves_the_toy_and_bugfix_sets(engine, tmp_path):
     for dataset in ("builtin:toy-heldout", "builtin:bugfix"):
         summary, records = evaluate(EvalConfig(dataset=dataset, vllm_url=engine.url, policy="oracle",
-                                               concurrency=4, output_dir=str(tmp_path / dataset[8:])))
+                                               max_concurrent_rollouts=4, output_dir=str(tmp_path / dataset[8:])))
         assert summary.wins == summary.rollouts == summary.tasks, [(r.task, r.status, r.reason) for r in records]
         assert summary.invalid_tool_calls == 0 and summary.unscorable == 0
         traces = read_traces(tmp_path / dataset[8:] / "traces.jsonl")  # validated by OpenEnv's model on read
@@ -25,8 +25,8 @@ def test_oracle_solves_the_toy_and_bugfix_sets(engine, tmp_path):
 def test_oracle_slips_on_every_task_at_the_same_rate(engine, tmp_path):
     """Mistake rate 0.5, two attempts per task: every task is solved exactly once; the other attempt is the
     plausible slip (redirection forgotten: `echo W F`), well formed and scored 0 by the task's own verifier."""
-    summary, records = evaluate(EvalConfig(dataset="builtin:toy-heldout", limit=3, n=2, vllm_url=engine.url,
-                                           policy="oracle", oracle_mistake_rate=0.5, concurrency=4,
+    summary, records = evaluate(EvalConfig(dataset="builtin:toy-heldout", limit=3, num_generations=2, vllm_url=engine.url,
+                                           policy="oracle", oracle_mistake_rate=0.5, max_concurrent_rollouts=4,
                                            output_dir=str(tmp_path)))
     assert summary.rollouts == 6 and summary.wins == 3 and summary.invalid_tool_calls == 0
     by_task: dict[str, list] = {}
@@ -43,7 +43,7 @@ def test_oracle_slips_on_every_task_at_the_same_rate(engine, tmp_path):
 @pytest.mark.slow
 def test_oracle_solves_the_toy_training_set(engine, tmp_path):
     summary, _ = evaluate(EvalConfig(dataset="builtin:toy-train", vllm_url=engine.url, policy="oracle",
-                                     concurrency=4, output_dir=str(tmp_path)))
+                                     max_concurrent_rollouts=4, output_dir=str(tmp_path)))
     assert summary.wins == summary.tasks == 48
 
 
@@ -58,13 +58,13 @@ def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one
     """The real binaries, in the sandbox, through the proxy's Anthropic / Responses dialect: the oracle's
     answers are calls to the agent's own shell tool, the verifier scores them, and each multi-turn rollout is
     ONE chain (for claude-code: no per-call attribution hash breaking the prefix)."""
-    from harness_trainer.rows import chains_from_trace
+    from harness_trainer.training.packing import chains_from_trace
 
     for dataset, limit in (("builtin:toy-train", 2), ("builtin:bugfix", 5)):
         out = tmp_path / dataset[8:]
         summary, records = evaluate(EvalConfig(harness=harness, agent_config=mode, dataset=dataset, limit=limit,
-                                               vllm_url=engine.url, policy="oracle", concurrency=2,
-                                               max_tokens=256, output_dir=str(out)))
+                                               vllm_url=engine.url, policy="oracle", max_concurrent_rollouts=2,
+                                               max_completion_tokens=256, output_dir=str(out)))
         assert summary.wins == summary.rollouts == limit, [(r.task, r.status, r.reason) for r in records]
         for record in records:
             assert record.outcome.tool_calls_by_name == {shell: 2} and record.outcome.tool_failure_count == 0
@@ -78,7 +78,7 @@ def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one
 @pytest.mark.parametrize("harness", ["mini-swe-agent", "opencode"])
 def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp_path, harness):
     summary, records = evaluate(EvalConfig(harness=harness, dataset="builtin:toy-heldout", limit=2,
-                                           vllm_url=engine.url, concurrency=2, step_limit=2, max_tokens=32,
+                                           vllm_url=engine.url, max_concurrent_rollouts=2, agent_step_limit=2, max_completion_tokens=32,
                                            output_dir=str(tmp_path)))
     assert summary.rollouts == 2 and summary.unscorable == 0, [(r.status, r.reason) for r in records]
     assert all(r.outcome.env_reward is not None and r.verifier_detail == "reward.txt" for r in records)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer.grpo import LossConfig, group_advantages, policy_loss
-from harness_trainer.rows import chain_logprobs, chains_from_trace, pack
-from harness_trainer.tree_forward import tree_logprobs
+from harness_trainer.training.grpo import LossConfig, group_advantages, policy_loss
+from harness_trainer.training.packing import chain_logprobs, chains_from_trace, pack
+from harness_trainer.training.tree_forward import tree_logprobs
 
 
 def test_group_advantages_skip_none_and_flag_zero_variance():

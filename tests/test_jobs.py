@@ -45,7 +45,7 @@ EXPECTED_SPEC = {
 
 def jobs(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "E2B_API_KEY", "HF_ENDPOINT")}
-    return subprocess.run([sys.executable, "-m", "harness_trainer.cli", "jobs", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "jobs", *args], capture_output=True,
                           text=True, timeout=120, env=clean | {"HF_HUB_OFFLINE": "0"} | (env or {}))
 
 

@@ -14,13 +14,13 @@ import httpx
 import pytest
 import torch
 
-from harness_trainer.adapters.session import LocalSessionFactory
-from harness_trainer.adapters.tasks import load_dataset
-from harness_trainer.checkpoints import save_checkpoint
-from harness_trainer.lora import LoraSync
-from harness_trainer.engine import teacher_forced_logprobs
-from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
-from harness_trainer.weight_sync import reload_weights
+from harness_trainer.rollouts.session import LocalSessionFactory
+from harness_trainer.rollouts.tasks import load_dataset
+from harness_trainer.training.checkpoints import save_checkpoint
+from harness_trainer.serving.weight_sync import LoraSync
+from harness_trainer.serving.engine import teacher_forced_logprobs
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
+from harness_trainer.serving.weight_sync import reload_weights
 from stubs import StubHandler
 
 

@@ -103,7 +103,7 @@ print(json.dumps(response.json()))
 @pytest.fixture(scope="module")
 def forward_proxy(engine, tmp_path_factory):
     from harness_trainer.proxy.client import ProxyServer
-    from harness_trainer.process import free_port
+    from harness_trainer.serving.process import free_port
 
     with ProxyServer(engine.url, forward_port=free_port(), log_path=tmp_path_factory.mktemp("fwd") / "p.log") as p:
         yield p

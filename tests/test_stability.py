@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from harness_trainer.adapters.session import HarnessRolloutOutcome, RolloutRecord
-from harness_trainer.adapters.tasks import Task
-from harness_trainer.stability import StabilityMonitor
-from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
+from harness_trainer.rollouts.tasks import Task
+from harness_trainer.training.trust_region import StabilityMonitor
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 
 def test_entropy_spike_warns_and_steady_noise_does_not():
@@ -90,7 +90,7 @@ def test_black_box_runs_take_several_reward_functions(tiny_model_dir, tmp_path, 
     # the same names on the command line: module:function, comma-separated
     (tmp_path / "terms.py").write_text("def solved(outcomes, **kwargs):\n    return [1.0] * len(outcomes)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from harness_trainer.rewards import RewardError, resolve_reward_funcs
+    from harness_trainer.rollouts.rewards import RewardError, resolve_reward_funcs
 
     assert [f.__name__ for f in resolve_reward_funcs("terms:solved")] == ["solved"]
     with pytest.raises(RewardError, match="share a name"):

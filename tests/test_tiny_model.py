@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from harness_trainer.tiny_model import MARKER_TOKENS, SPECIAL_TOKENS, TinyModelSpec, ensure_tiny_model, train_tokenizer
+from harness_trainer.models.tiny import MARKER_TOKENS, SPECIAL_TOKENS, TinyModelSpec, ensure_tiny_model, train_tokenizer
 
 TRICKY = [
     "def f(x):\n    return x's value  # naïve café 123456\r\n\n\t\tdone",

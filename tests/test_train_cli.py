@@ -16,10 +16,11 @@ import psutil
 import pytest
 import torch
 
-from harness_trainer.cli import build_parser, main, train_config
-from harness_trainer.train import ConfigError
+from harness_trainer.commands.cli import build_parser, main
+from harness_trainer.commands.train import train_config
+from harness_trainer.commands.train import ConfigError
 
-HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.cli"]
+HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.commands.cli"]
 
 
 def _leftovers(marker: str) -> list[str]:
@@ -33,8 +34,8 @@ def _leftovers(marker: str) -> list[str]:
 
 
 def test_two_step_smoke_run_leaves_a_servable_checkpoint_and_nothing_running(smoke_run, engine, tiny_model_dir):
-    from harness_trainer.engine import teacher_forced_logprobs
-    from harness_trainer.weight_sync import reload_weights
+    from harness_trainer.serving.engine import teacher_forced_logprobs
+    from harness_trainer.serving.weight_sync import reload_weights
 
     out = smoke_run  # the run itself is the session fixture (conftest.py): the viewer's tests browse it too
     assert _leftovers(str(out.parent)) == []
@@ -80,7 +81,7 @@ def test_ctrl_c_stops_everything(engine, tiny_model_dir, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
         pytest.fail(f"no exit 120 s after Ctrl-C; its stderr ends:\n{err[-12000:]}")
-    assert proc.returncode == 130 and "--resume latest" in err
+    assert proc.returncode == 130 and "--resume-from-checkpoint latest" in err
     time.sleep(0.5)
     assert _leftovers(str(tmp_path)) == []
 
@@ -148,7 +149,7 @@ def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
 def test_live_display_shows_stability_and_warnings():
     from rich.console import Console
 
-    from harness_trainer.cli import TrainProgress
+    from harness_trainer.commands.cli import TrainProgress
 
     progress = TrainProgress(16)
     progress.on_step({"step": 9, "version": 10, "trained_tokens": 622, "reward_mean": 0.375, "entropy": 0.24,
@@ -170,8 +171,8 @@ def test_live_display_shows_stability_and_warnings():
 def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
     from transformers import AutoModelForCausalLM
 
-    from harness_trainer.sft import sft_rows
-    from harness_trainer.traces import write_traces
+    from harness_trainer.commands.sft import sft_rows
+    from harness_trainer.traces.files import write_traces
     from openenv.core.harness.training import TrainingTrace
 
     prompt, completion = [1, 50, 60, 70, 2, 3], [300, 301, 302, 2]
@@ -183,7 +184,7 @@ def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
     rows = sft_rows(tmp_path / "traces")
     assert rows[0] == {"input_ids": prompt + completion, "completion_mask": [0] * 6 + [1] * 4}
     assert main(["sft", "--traces", str(tmp_path / "traces"), "--output-dir", str(tmp_path / "sft"),
-                 "--epochs", "30", "--learning-rate", "1e-2", "--batch-size", "4", *lora]) == 0
+                 "--num-train-epochs", "30", "--learning-rate", "1e-2", "--per-device-train-batch-size", "4", *lora]) == 0
     ids = torch.tensor([prompt + completion])
 
     def completion_logp(folder):

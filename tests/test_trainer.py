@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.adapters.harnesses import CommandHarness
-from harness_trainer.adapters.session import CaptureContractError, LocalSessionFactory
-from harness_trainer.adapters.tasks import load_dataset, load_task
+from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.rollouts.session import CaptureContractError, LocalSessionFactory
+from harness_trainer.rollouts.tasks import load_dataset, load_task
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 SAY = textwrap.dedent("""
     import json, os, sys, urllib.request
@@ -137,11 +137,11 @@ def test_malformed_capture_stops_the_run(fresh_engine, proxy, tiny_model_dir, tm
 RUN = textwrap.dedent("""
     import sys, shlex
     from functools import partial
-    from harness_trainer.adapters.harnesses import CommandHarness
-    from harness_trainer.adapters.session import LocalSessionFactory
-    from harness_trainer.adapters.tasks import load_task
+    from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.rollouts.session import LocalSessionFactory
+    from harness_trainer.rollouts.tasks import load_task
     from harness_trainer.proxy.client import ProxyClient
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
     engine, proxy, key, model, task, out, script, lora, resume = sys.argv[1:10]
     factory = partial(LocalSessionFactory, proxy=ProxyClient(proxy, key),
                       harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"), output_dir=out + "/r")
@@ -178,9 +178,9 @@ def test_reward_rises_from_the_random_tiny_model(tmp_path):
     """The learning proof at its smallest: a 320-token-vocabulary tiny model, an agent program of a few lines,
     a reward that depends only on what the model says (its answer starts with a digit: 10 tokens of 326),
     real proxy, real sandbox, real weight syncs."""
-    from harness_trainer.engine import EngineConfig, VLLMServer
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
     from harness_trainer.proxy.client import ProxyServer
-    from harness_trainer.tiny_model import TinyModelSpec, ensure_tiny_model
+    from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
 
     model = ensure_tiny_model(TinyModelSpec(vocab=320))
     with VLLMServer(EngineConfig(model=str(model), max_model_len=4096)) as engine, \

@@ -11,11 +11,11 @@ import torch
 from test_grpo_math import ADVANTAGES, TRACES, turn
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer import tree_forward
-from harness_trainer.grpo import LossConfig, policy_loss
-from harness_trainer.prefixes import longest_prefix_parents
-from harness_trainer.rows import chain_logprobs, chains_from_trace, pack
-from harness_trainer.tree_forward import chunked_logprobs, plan_ranges, tree_backward, tree_logprobs
+from harness_trainer.training import tree_forward
+from harness_trainer.training.grpo import LossConfig, policy_loss
+from harness_trainer.traces.prefixes import longest_prefix_parents
+from harness_trainer.training.packing import chain_logprobs, chains_from_trace, pack
+from harness_trainer.training.tree_forward import chunked_logprobs, plan_ranges, tree_backward, tree_logprobs
 
 
 def _model(dtype=torch.float32):
@@ -188,13 +188,13 @@ def test_longest_prefix_parents_equal_the_all_pairs_search():
 def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir, tmp_path):
     """opencode, unmodified, driven by the oracle through the 26 turns of builtin:logs (24 files read one per
     turn): G = 8 real captures past 30k tokens each, trained one step on CPU by the trainer's own step."""
-    from harness_trainer.evaluate import EvalConfig, evaluate
-    from harness_trainer.traces import TrainingTrace as Trace
-    from harness_trainer.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+    from harness_trainer.commands.evaluate import EvalConfig, evaluate
+    from harness_trainer.traces.files import TrainingTrace as Trace
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     summary, records = evaluate(EvalConfig(
-        harness="opencode", dataset="builtin:logs", policy="oracle", n=8, concurrency=8, vllm_url=engine.url,
-        max_tokens=256, oracle_mistake_rate=0.5, output_dir=str(tmp_path / "eval")))
+        harness="opencode", dataset="builtin:logs", policy="oracle", num_generations=8, max_concurrent_rollouts=8, vllm_url=engine.url,
+        max_completion_tokens=256, oracle_mistake_rate=0.5, output_dir=str(tmp_path / "eval")))
     assert len(records) == 8 and 0 < summary.wins < 8, summary  # half slip: the group has a gradient
     per_turn = 0  # tokens one row per turn would feed (TRL's scheme)
     for record in records:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from selenium.webdriver.common.keys import Keys
 
-from harness_trainer.viewer.runs import Decoder, RunFolder, ViewerError, find_runs
+from harness_trainer.commands.viewer.runs import Decoder, RunFolder, ViewerError, find_runs
 
-HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.cli"]
+HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.commands.cli"]
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 

@@ -1,1 +1,6 @@
-"""Capture proxy: sits between an unmodified agent and vLLM and records exact tokens per model call (issue 3)."""
+"""proxy: the capture proxy, between an unmodified agent and vLLM, on mitmproxy. Per model call it records the
+engine's own prompt ids, sampled ids, sampled logprobs and a loss mask, never re-tokenising, and exports OpenEnv
+TrainingTraces (addon.py: the hooks; capture.py, rollout.py, store.py: sessions and their journal; dialects.py,
+anthropic.py, responses.py: the Messages and Responses APIs translated to chat completions; control.py: the
+session routes; client.py: what the trainer uses to start and drive it). Runs in its own environment (mitmproxy
+and httpx, no torch): imports only serving's process helpers and traces."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from harness_trainer.process import ManagedProcess, ProcessError, free_port
+from harness_trainer.serving.process import ManagedProcess, ProcessError, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from harness_trainer.prefixes import longest_prefix_parents
+from harness_trainer.traces.prefixes import longest_prefix_parents
 from harness_trainer.proxy.capture import SamplingPolicy
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")

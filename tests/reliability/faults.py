@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from harness_trainer.adapters.harnesses import CommandHarness
+from harness_trainer.agents.harnesses import CommandHarness
 
 # The agent: one model call (retried, as real agents retry their API), its answer written to /app/answer.txt;
 # then what its instruction says: hang, crash (SIGKILL itself), or pause and call once more.

@@ -1,0 +1,67 @@
+"""What every harness adapter shares: the run it is given, the report it returns, its protocol, its errors.
+Adding an agent is one small class:
+
+    name                       what --harness calls it
+    check_installed()          raise AdapterError saying how to install it
+    prepare(run) -> (command, env)   a shell command run in the sandbox's /app, and its environment;
+                               may write config files into the sandbox first
+    collect(sandbox, result) -> AgentReport
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from harness_trainer.agents.sandbox import ExecResult, Sandbox
+
+
+class AdapterError(RuntimeError):
+    """An agent program is missing or misconfigured; the message says what to do."""
+
+
+@dataclass
+class AgentRun:
+    """What the adapter needs to start an agent."""
+    instruction: str
+    base_url: str  # the capture session's OpenAI-style base URL (ends in /v1)
+    api_key: str  # the capture session id
+    model: str  # the served model id
+    step_limit: int = 30
+    timeout_s: float = 600.0
+    sandbox: Sandbox | None = None
+
+
+@dataclass
+class AgentReport:
+    """What the agent did, from its own output."""
+    completion: list[dict] = field(default_factory=list)  # the final transcript, as chat messages
+    tool_calls_by_name: dict[str, int] = field(default_factory=dict)
+    tool_failure_count: int = 0  # tool calls that failed (non-zero exit, not executed)
+    invalid_tool_calls: int = 0  # answers the harness rejected as malformed (no/unparseable tool call)
+    exit_status: str = ""
+    failure: str = ""  # the agent's own word that the model API failed it: the rollout is then unscorable
+
+    @property
+    def tool_call_count(self) -> int:
+        return sum(self.tool_calls_by_name.values())
+
+
+class Harness(Protocol):
+    name: str
+
+    def check_installed(self) -> None: ...
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]: ...
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport: ...
+
+
+def read_file(sandbox: Sandbox, inside: str) -> str | None:
+    """A file's text from inside the sandbox, or None when it is not there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            sandbox.download(inside, Path(tmp) / "f")
+            return (Path(tmp) / "f").read_text(errors="replace")
+        except Exception:
+            return None

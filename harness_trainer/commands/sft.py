@@ -1,0 +1,130 @@
+"""`harness-train sft`: supervised warm-up on captured traces, with TRL's SFTTrainer, on the exact token ids.
+
+    traces.jsonl (from `harness-train eval --policy oracle`, or any run) -> chains (training/packing.py, the same exact
+    prefix rebuild the RL trainer uses) -> {input_ids, completion_mask} -> SFTTrainer(completion_only_loss)
+
+Nothing is re-tokenised: `input_ids` are the engine's prompt + sampled ids, and `completion_mask` is 1 exactly
+on the tokens the trace's loss mask trains (each sampled token once, prompts and tool outputs masked).
+The result is saved in Hugging Face format, with the tokenizer, so vLLM can serve it and GRPO can start from it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness_trainer.rollouts.config import option
+from harness_trainer.training.config import same_as
+
+
+class SFTError(ValueError):
+    """The traces cannot be trained on (none found, none with a trained token); the message says what to do."""
+
+
+@dataclass
+class SFTRunConfig:
+    """`harness-train sft`: TRL's SFTConfig names where TRL has one."""
+    traces: str = option(None, "a traces.jsonl, or a folder holding traces.jsonl files (e.g. the --output-dir of "
+                               "`harness-train eval --policy oracle`)", required=True)
+    model: str | None = option(None, "starting model folder (default: the embedded tiny model)")
+    output_dir: str = option("runs/sft", "where the run goes; the model lands in OUTPUT_DIR/final")
+    num_train_epochs: float = option(3.0, "passes over the traces")
+    learning_rate: float = option(1e-3, "peak learning rate")
+    per_device_train_batch_size: int = option(8, "rows per optimizer step")
+    lr_scheduler_type: str = option("cosine", "learning-rate schedule (transformers' names)")
+    only_rewarded: bool = option(False, "keep only rollouts whose reward was >= 1 (needs rollouts.jsonl next to "
+                                        "the traces)")
+    seed: int = option(0, "data order and initialisation seed")
+    use_peft: bool = option(False, "train a LoRA adapter (training/lora.py); final/ is then the merged model, "
+                                   "adapter/ beside it")
+    lora_rank: int = same_as("lora_rank")
+    lora_alpha: int = same_as("lora_alpha")
+    lora_dropout: float = same_as("lora_dropout")
+    lora_target_modules: list[str] | None = same_as("lora_target_modules")
+
+    def __post_init__(self):
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+
+
+def trace_files(where: str | Path) -> list[Path]:
+    path = Path(where)
+    files = [path] if path.is_file() else sorted(path.rglob("traces.jsonl")) if path.is_dir() else []
+    if not files:
+        raise SFTError(f"no traces at {where}: give a traces.jsonl file or a folder holding some (written by "
+                       "`harness-train eval --output-dir DIR`, e.g. with --policy oracle)")
+    return files
+
+
+def _rewarded_episodes(traces_file: Path) -> set[str]:
+    rollouts = traces_file.with_name("rollouts.jsonl")
+    if not rollouts.exists():
+        raise SFTError(f"--only-rewarded needs {rollouts} (the rollout records written next to the traces)")
+    records = [json.loads(line) for line in rollouts.read_text().splitlines() if line.strip()]
+    return {r["episode_id"] for r in records if (r["outcome"].get("env_reward") or 0) >= 1.0}
+
+
+def sft_rows(where: str | Path, only_rewarded: bool = False) -> list[dict]:
+    """One row per chain: {"input_ids": [...], "completion_mask": [...]}, in the engine's token ids."""
+    from harness_trainer.traces.files import read_traces
+    from harness_trainer.training.packing import chains_from_trace
+
+    rows = []
+    for file in trace_files(where):
+        keep = _rewarded_episodes(file) if only_rewarded else None
+        for i, trace in enumerate(read_traces(file)):
+            if keep is not None and trace.turns[0].metadata.get("episode_id") not in keep:
+                continue
+            for chain in chains_from_trace(trace, i):
+                if any(chain.trained):
+                    rows.append({"input_ids": chain.ids, "completion_mask": [int(t) for t in chain.trained]})
+    if not rows:
+        raise SFTError(f"the traces at {where} hold no trained token (every loss mask is 0, or --only-rewarded "
+                       "left nothing): collect traces whose rollouts produced completions")
+    return rows
+
+
+def run_sft(cfg: SFTRunConfig) -> Path:
+    """Train, save the model + tokenizer into cfg.output_dir/final, return that folder."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from harness_trainer.training.checkpoints import save_model
+    from harness_trainer.serving.engine import check_model_dir
+    from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
+    from harness_trainer.models.tiny import ensure_tiny_model
+
+    model_dir = str(check_model_dir(cfg.model)) if cfg.model else str(ensure_tiny_model())
+    rows = sft_rows(cfg.traces, cfg.only_rewarded)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = add_lora(model, LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)) \
+        if cfg.use_peft else None
+    out = Path(cfg.output_dir)
+    gpu = torch.cuda.is_available()
+    args = SFTConfig(output_dir=str(out), num_train_epochs=cfg.num_train_epochs, learning_rate=cfg.learning_rate,
+                     per_device_train_batch_size=cfg.per_device_train_batch_size, completion_only_loss=True,
+                     max_length=None, save_strategy="no", report_to="none", logging_steps=5, seed=cfg.seed,
+                     lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=5, use_cpu=not gpu, dataloader_num_workers=0,
+                     disable_tqdm=True,
+                     # TRL defaults to bf16 and gradient checkpointing: on a CPU, bf16 matmuls are ~10x slower
+                     # than float32, and the tiny model needs no activation memory savings.
+                     bf16=gpu, gradient_checkpointing=gpu)
+    trainer = SFTTrainer(model=peft or model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer)
+    result = trainer.train()
+    final = out / "final"
+    if peft is None:
+        trainer.save_model(str(final))
+    else:  # servable alone (GRPO and vLLM start from it), the adapter beside it
+        save_model(model, final, Path(model_dir), state_dict=merged_state_dict(model))
+        peft.save_pretrained(final / "adapter")
+    tokenizer.save_pretrained(final)
+    summary = {"rows": len(rows), "trained_tokens": sum(sum(r["completion_mask"]) for r in rows),
+               "train_loss": result.training_loss, "steps": result.global_step, "model": str(final),
+               "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    (out / "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return final

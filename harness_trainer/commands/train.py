@@ -1,0 +1,249 @@
+"""`harness-train` (the default action): one command runs engine, proxy, sandboxes and the trainer.
+
+    check everything that can be checked offline (harness installed, dataset, model, sandbox, reward, ports)
+    -> engine (launched for --model, or attached by --vllm-url) -> capture proxy -> HarnessAsyncGRPOTrainer
+    -> output dir: checkpoints, final/ (HF format, servable by vLLM), rollouts.jsonl + traces.jsonl,
+       metrics.jsonl, reward_curve.png, summary.json
+
+Everything started is stopped on success, error or Ctrl-C (context managers; the trainer cancels its
+in-flight sandboxes), so nothing outlives the command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from harness_trainer.commands.flags import ArgumentParser, ConfigError, add_config_flags, config_values, fields_of
+from harness_trainer.rollouts.config import RolloutConfig, option
+from harness_trainer.training.config import AsyncGRPOConfig
+
+
+@dataclass
+class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
+    """The run's config: the trainer's own (training/config.py) plus what a run needs around it
+    (rollouts/services.py: harness, dataset, model, sandbox, ports) and its reporting. Every field is a
+    `harness-train` flag (`--num-generations`) and a --config YAML key (`num_generations`)."""
+    reward: str | None = option(None, "per-rollout reward: verifier (the default without --reward-funcs), "
+                                      "verifier+tools, module:function or an entry-point name")
+    report_to: str = option("trackio", "trackio (local), wandb or none")
+
+
+FIELDS = fields_of(TrainRunConfig, skip=("vllm_server_base_url",))  # the engine's URL is --vllm-url
+# old spellings -> fields (they still work, with a deprecation line)
+DEPRECATED = {"--resume": "resume_from_checkpoint", "--service-recovery-timeout": "service_recovery_timeout_s"}
+
+
+def add_train_flags(parser) -> None:
+    add_config_flags(parser, TrainRunConfig, skip=("vllm_server_base_url",), deprecated=DEPRECATED)
+
+
+def train_config(args) -> TrainRunConfig:
+    """Defaults < --config file < flags given on the command line, checked."""
+    return resolve_config(config_values(args, TrainRunConfig))
+
+
+def parse_train_args(argv: list[str]) -> TrainRunConfig:
+    """`harness-train train` flags -> the run's config (what a job launcher checks before submitting)."""
+    parser = ArgumentParser(prog="harness-train train")
+    add_train_flags(parser)
+    return train_config(parser.parse_args(argv))
+
+
+def resolve_config(values: dict) -> TrainRunConfig:
+    """The run's config from flag and file values (commands/flags.py: config_values), checked."""
+    cfg = TrainRunConfig(**values)
+    if cfg.report_to not in ("trackio", "wandb", "none"):
+        raise ConfigError(f"--report-to {cfg.report_to}: choose trackio, wandb or none")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio!r}")
+    from transformers import SchedulerType
+
+    schedules = [t.value for t in SchedulerType]
+    if cfg.lr_scheduler_type not in schedules:
+        raise ConfigError(f"--lr-scheduler-type {cfg.lr_scheduler_type}: choose one of {', '.join(schedules)}")
+    if cfg.lr_scheduler_type == "constant" and cfg.warmup_ratio:
+        raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
+                          "constant_with_warmup (or linear, cosine)")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {cfg.dtype}: choose float32, bfloat16 or float16")
+    if cfg.max_tokens_per_microbatch is not None and cfg.max_tokens_per_microbatch < 1:
+        raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
+                          f"got {cfg.max_tokens_per_microbatch!r}")
+    if cfg.use_peft and not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout!r}")
+    if cfg.environment and not (cfg.reward_funcs or cfg.reward):
+        raise ConfigError("--environment needs --reward-funcs module:f[,module:g]: functions f(environments, "
+                          "**kwargs) returning one reward (or None) per environment")
+    for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
+                 "groups_per_step", "lora_rank", "max_completion_length"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+    return cfg
+
+
+def check_port_free(port: int, flag: str) -> None:
+    if not port:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise ConfigError(f"port {port} is in use: choose another {flag} (0 picks a free one), or stop what "
+                              "listens there") from None
+
+
+class MetricsReporter:
+    """trackio (local files, the default), W&B, or nothing; checked before anything starts."""
+
+    def __init__(self, report_to: str, run_name: str, config: dict):
+        self.backend = None
+        if report_to == "none":
+            return
+        try:
+            self.backend = __import__(report_to)
+        except ImportError:
+            raise ConfigError(f"--report-to {report_to}: the {report_to} package is not installed "
+                              f"(`pip install {report_to}`), or use --report-to none") from None
+        self.args = dict(project="harness-train", name=run_name, config=config)
+
+    def start(self) -> None:
+        if self.backend is not None:
+            self.backend.init(**self.args)
+
+    def log(self, metrics: dict) -> None:
+        if self.backend is not None:
+            self.backend.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"},
+                             step=metrics.get("step"))
+
+    def finish(self) -> None:
+        if self.backend is not None:
+            self.backend.finish()
+
+
+def plot_reward_curve(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("reward_mean", "reward (rollout_reward_fn)"), ("verifier_reward_mean", "verifier reward")):
+        points = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+        if points and (key == "reward_mean" or any(h.get(key) != h.get("reward_mean") for h in history)):
+            ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of the step's group")
+    ax.set_ylim(-0.05, max([1.05] + [h.get("reward_mean") or 0 for h in history]))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def resolve_model(name: str) -> Path:
+    """A local model folder, or a Hub repo id (OWNER/NAME) downloaded into the Hub cache."""
+    from harness_trainer.serving.engine import check_model_dir
+
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") != 1:
+        return check_model_dir(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name))
+    except Exception as exc:  # offline, gated, missing: all the same to the user
+        raise ConfigError(f"--model {name}: not a folder here, and the Hub repo could not be fetched ({exc}). "
+                          "Give a local model folder, or check the repo id, HF_TOKEN and network") from None
+
+
+def white_box(cfg) -> tuple | None:
+    """For --environment: the class (checked: it builds, has reset, its tools' schemas build) and the rows."""
+    if not cfg.environment:
+        return None
+    from harness_trainer.rollouts.environments import EnvironmentContractError, check_environment, load_object, load_rows
+
+    try:
+        environment = load_object(cfg.environment, "--environment")
+        check_environment(environment)
+        return environment, load_rows(cfg.dataset)
+    except EnvironmentContractError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
+    """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
+    from harness_trainer.agents.harnesses import make_harness
+    from harness_trainer.agents.sandbox import make_sandbox
+    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.rollouts.rewards import resolve_rewards
+    from harness_trainer.rollouts.services import run_services
+    from harness_trainer.rollouts.tasks import load_dataset
+    from harness_trainer.serving.engine import VLLMServer
+    from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
+
+    # 1. Everything that can fail offline fails here, before a process is started.
+    environment = white_box(cfg)  # (class, rows) for an --environment run, else None
+    if environment is None:
+        make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
+    tasks = environment[1] if environment else load_dataset(cfg.dataset)
+    model_dir = resolve_model(cfg.model) if cfg.model else ensure_tiny_model()
+    if cfg.sandbox != "local" and environment is None:  # raises with what is missing (credentials, daemon, URL)
+        make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
+    reward_fn, reward_funcs = resolve_rewards(cfg.reward, cfg.reward_funcs)
+    out = Path(cfg.output_dir)
+    resume = str(out / "latest") if cfg.resume_from_checkpoint == "latest" else cfg.resume_from_checkpoint
+    if resume and resume != str(out / "latest") and not Path(resume, "trainer_state.json").exists():
+        raise ConfigError(f"--resume-from-checkpoint {resume}: not a checkpoint folder (no trainer_state.json); "
+                          "give OUTPUT_DIR/checkpoint-N or 'latest'")
+    if not resume and (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run (metrics.jsonl): pass --resume-from-checkpoint latest to "
+                          "continue it, or choose a new --output-dir")
+    reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
+    if cfg.vllm_url:
+        VLLMServer.attach(cfg.vllm_url)  # answers, or a clear error before anything starts
+    else:
+        check_port_free(cfg.engine_port, "--engine-port")
+    check_port_free(cfg.proxy_port, "--proxy-port")
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    started = time.time()
+    # 2. The servers: engine, then the capture proxy in front of it, supervised (rollouts/services.py).
+    with run_services(cfg, out, model_dir=model_dir, environment=environment and environment[0],
+                      rollouts_dir=out / "rollouts", supervise=True,
+                      lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2) as services:
+        # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
+        args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume)
+        trainer = HarnessAsyncGRPOTrainer(str(model_dir), services.sessions, args, tasks, rollout_reward_fn=reward_fn,
+                                          callbacks=[*(callbacks or []), reporter], reward_funcs=reward_funcs)
+        reporter.start()
+        try:
+            trainer.train()
+        finally:
+            reporter.finish()
+        supervisor = services.supervisor
+    # 4. What the run leaves behind.
+    final = trainer.save_model(out / "final")
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    plot_reward_curve(history, out / "reward_curve.png")
+    rewards = [h["reward_mean"] for h in history if h.get("reward_mean") is not None]
+    summary = {"steps": len(history), "policy_version": trainer.version, "final_model": str(final),
+               "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+               "trained_tokens": sum(h.get("trained_tokens", 0) for h in history),
+               "dropped_stale_groups": sum(int(h.get("dropped_stale", 0)) for h in history),
+               "warnings": [f"step {h['step']}: {w}" for h in history for w in h.get("warnings", [])],
+               "best_model": str(out / "best") if (out / "best").exists() else None,
+               "restarts": [f"{r.service} (exit {r.exit_code}), back in {r.seconds:.0f} s"
+                            for r in supervisor.restarts],
+               "wall_time_s": round(time.time() - started, 1), "traces": str(out / "traces.jsonl"),
+               "reward_curve": str(out / "reward_curve.png")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

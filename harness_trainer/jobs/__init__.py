@@ -1,1 +1,0 @@
-"""Jobs: launch a harness-train run on Hugging Face Jobs (issue 7)."""

@@ -1,0 +1,39 @@
+"""The settings every command that runs rollouts shares, under one name each: the train and eval configs
+inherit RolloutConfig, so `--agent-step-limit` means the same in both. Light on purpose (no engine, proxy or
+torch import): the CLI builds its flags from it before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def option(default, help_text: str, **metadata):
+    """A config field whose help text is its flag's help (and its line in docs/cli.md)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help_text, **metadata})
+    return field(default=default, metadata={"help": help_text, **metadata})
+
+
+@dataclass
+class RolloutConfig:
+    harness: str = option("mini-swe-agent", "mini-swe-agent, opencode, claude-code, codex or command")
+    dataset: str = option("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME; with "
+                                               "--environment, a .jsonl (or .json) of rows with a 'prompt' column")
+    environment: str | None = option(None, "white-box instead of an agent: module:Class, TRL's "
+                                           "environment_factory (reset(**row) and tool methods), run by the "
+                                           "built-in loop")
+    reward_funcs: str | None = option(None, "comma-separated module:function reward functions f(environments, "
+                                            "**kwargs) -> list, summed (None skipped), each logged as its own "
+                                            "metric")
+    model: str | None = option(None, "model folder or Hub id (default: the embedded tiny model)")
+    vllm_url: str | None = option(None, "attach to a running vLLM instead of launching one for --model")
+    engine_port: int = option(0, "port for the launched engine (0: a free one)")
+    proxy_port: int = option(0, "port for the capture proxy (0: a free one)")
+    sandbox: str = option("local", "local (bubblewrap), e2b, docker or harbor[:ENV]")
+    public_url: str | None = option(None, "URL at which remote sandboxes (e2b) reach the proxy; the proxy then "
+                                          "listens on all interfaces")
+    agent_step_limit: int = option(6, "agent steps per rollout")
+    agent_timeout: float | None = option(None, "seconds per rollout (default: the task's)")
+    agent_command: str | None = option(None, "for --harness command: a template with {instruction}")
+    agent_config: str | None = option(None, "mini-swe-agent: YAML layered over its default config, or 'compact'")
+    reward_key: str = option("reward", "key of the verifier's reward.json")

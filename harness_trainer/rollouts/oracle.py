@@ -1,0 +1,201 @@
+"""The oracle policy: a scripted OpenAI-compatible upstream that answers each model call with the task's
+known solution (solution/solve.sh) as a call to the agent's shell tool (`bash`, claude-code's `Bash`, codex's
+`exec_command`), then with the harness's submit command.
+
+It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
+traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
+are the real engine's: the prompt is tokenised by vLLM's /tokenize, the answer is rendered in the model's
+tool-call format and tokenised the same way, and each answer token carries the logprob the served model
+gives it (teacher-forced), so traces validate and train like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import httpx
+
+from harness_trainer.rollouts.tasks import Task
+from harness_trainer.serving.process import free_port
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+# each agent's shell tool and the name of its command argument
+SHELL_TOOLS = {"bash": "command", "Bash": "command", "exec_command": "cmd"}
+
+
+def _command(arguments: str) -> str | None:
+    args = json.loads(arguments)
+    return next((args[key] for key in ("command", "cmd") if key in args), None) if isinstance(args, dict) else None
+
+
+def plausible_mistake(command: str) -> str:
+    """The same command with a slip: its output redirection forgotten (`echo cookie data.txt` prints instead
+    of writing the file), or, without one, its first argument capitalised. Well formed, close to right, and
+    wrong — what a sloppy solver does. Demonstrations with it leave something for RL to fix: one decision,
+    the same in every task, so what RL learns on training tasks carries over to held-out ones."""
+    if " > " in command:
+        return command.replace(" > ", " ", 1)
+    program, _, rest = command.partition(" ")
+    return f"{program} {rest[:1].upper()}{rest[1:]}" if rest else command
+
+
+def solution_steps(task: Task) -> list[str]:
+    """The commands the oracle runs, one per model call: the whole solution at once, or with the task's
+    metadata `oracle = "per-line"` one line per call (long multi-turn rollouts)."""
+    lines = [line for line in task.solution.read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    return lines if task.metadata.get("oracle") == "per-line" else ["\n".join(lines)]
+
+
+class OracleUpstream:
+    """Runs in a thread of the calling process (uvicorn); `url` is its base URL."""
+
+    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0):
+        self.engine = engine_url.rstrip("/")
+        self.model = model
+        self.mistake_rate = mistake_rate
+        self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
+        self._lock = threading.Lock()
+        self.solutions = {t.instruction: solution_steps(t) for t in tasks if t.solution}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(timeout=120)
+        self._server = None
+
+    # ---- what to say --------------------------------------------------------------------------------------
+
+    def _task_steps(self, messages: list[dict]) -> list[str] | None:
+        text = "\n".join(m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
+                         for m in messages if m.get("role") in ("user", "system"))
+        for instruction, steps in self.solutions.items():
+            if instruction in text:
+                return steps
+        return None
+
+    def _slips(self, command: str) -> bool:
+        """Whether this attempt at the task is made with the slip. Per task, not at random: attempt k slips when
+        floor((k+1)·rate) > floor(k·rate), so every task is done wrong at the same rate, evenly spread (at 0.5:
+        every second attempt). Drawn at random, with a few attempts per task, some tasks would be always wrong
+        and others always right, and SFT learns exactly that: which tasks to get wrong — then RL's groups
+        on those tasks all score the same and teach nothing."""
+        with self._lock:
+            k = self._attempts.get(command, 0)
+            self._attempts[command] = k + 1
+        return int((k + 1) * self.mistake_rate) > int(k * self.mistake_rate)
+
+    def answer(self, body: dict) -> dict:
+        """The assistant message the oracle sends for this request."""
+        messages, tools = body.get("messages") or [], body.get("tools") or []
+        names = {(t.get("function") or {}).get("name") for t in tools}
+        shell = next((name for name in SHELL_TOOLS if name in names), None)
+        if shell is None:
+            return {"role": "assistant", "content": "Solve the task"}  # a title or summary call
+        steps = self._task_steps(messages)
+        ran = [_command(c["function"]["arguments"]) for m in messages if m.get("role") == "assistant"
+               for c in m.get("tool_calls") or [] if c.get("function", {}).get("arguments")]
+        if steps is None:
+            return {"role": "assistant", "content": "I do not know this task."}
+        todo = [s for s in steps if s not in ran and plausible_mistake(s) not in ran]
+        if SUBMIT in ran:  # an agent that goes on after the submit command (opencode) is told it is done
+            return {"role": "assistant", "content": "Done."}
+        if not todo:
+            step = SUBMIT
+        elif todo[0] == steps[-1]:  # the step that makes the result: where the slip happens
+            step = plausible_mistake(todo[0]) if self._slips(todo[0]) else todo[0]
+        else:
+            step = todo[0]
+        return {"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+            "function": {"name": shell, "arguments": json.dumps({SHELL_TOOLS[shell]: step})}}]}
+
+    # ---- in the engine's own tokens -------------------------------------------------------------------------
+
+    def _render(self, message: dict) -> str:
+        """The answer as the model would sample it after the generation prompt (Hermes tool-call format)."""
+        parts = [message["content"]] if message.get("content") else []
+        for call in message.get("tool_calls") or []:
+            args = json.loads(call["function"]["arguments"])
+            parts.append("<tool_call>\n" + json.dumps({"name": call["function"]["name"], "arguments": args})
+                         + "\n</tool_call>")
+        return "\n".join(parts) + "<|im_end|>"
+
+    def completion(self, body: dict) -> dict:
+        payload = {"model": self.model, "messages": body["messages"], "add_generation_prompt": True}
+        if body.get("tools"):
+            payload["tools"] = body["tools"]
+        prompt_ids = self.http.post(f"{self.engine}/tokenize", json=payload).json()["tokens"]
+        message = self.answer(body)
+        ids = self.http.post(f"{self.engine}/tokenize", json={
+            "model": self.model, "prompt": self._render(message), "add_special_tokens": False}).json()["tokens"]
+        scored = self.http.post(f"{self.engine}/v1/completions", json={
+            "model": self.model, "prompt": prompt_ids + ids, "max_tokens": 1, "prompt_logprobs": 0}).json()
+        logprobs = [min(0.0, entry[str(tok)]["logprob"])
+                    for tok, entry in zip(ids, scored["choices"][0]["prompt_logprobs"][len(prompt_ids):])]
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        return {"id": f"chatcmpl-oracle-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model, "prompt_token_ids": prompt_ids,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "token_ids": ids,
+                             "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
+                                                      for t, lp in zip(ids, logprobs)]}}],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt_ids) + len(ids)}}
+
+    def stream(self, answer: dict):
+        """The same answer as SSE chunks (one for the text, one per tool call, then the finish)."""
+        head = {k: answer[k] for k in ("id", "object", "created", "model")}
+        head["object"] = "chat.completion.chunk"
+        choice, message = answer["choices"][0], answer["choices"][0]["message"]
+        yield dict(head, prompt_token_ids=answer["prompt_token_ids"], choices=[
+            {"index": 0, "delta": {"role": "assistant", "content": message.get("content") or ""},
+             "token_ids": choice["token_ids"], "logprobs": choice["logprobs"], "finish_reason": None}])
+        for i, call in enumerate(message.get("tool_calls") or []):
+            yield dict(head, choices=[{"index": 0, "delta": {"tool_calls": [dict(call, index=i)]},
+                                       "token_ids": [], "logprobs": {"content": []}, "finish_reason": None}])
+        yield dict(head, choices=[{"index": 0, "delta": {}, "token_ids": [], "logprobs": {"content": []},
+                                   "finish_reason": choice["finish_reason"]}], usage=answer["usage"])
+
+    # ---- server ----------------------------------------------------------------------------------------------
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        async def chat(request):
+            body = await request.json()
+            answer = await run_in_threadpool(self.completion, body)
+            if not body.get("stream"):
+                return JSONResponse(answer)
+            chunks = [f"data: {json.dumps(c)}\n\n" for c in self.stream(answer)] + ["data: [DONE]\n\n"]
+            return StreamingResponse(iter(chunks), media_type="text/event-stream")
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+        async def health(request):
+            return JSONResponse({"status": "ok"})
+
+        return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/models", models), Route("/health", health)])
+
+    def __enter__(self) -> OracleUpstream:
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=self.port,
+                                                     log_level="error", access_log=False))
+        threading.Thread(target=self._server.run, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the oracle upstream did not start within 30 s")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._server:
+            self._server.should_exit = True
+        self.http.close()

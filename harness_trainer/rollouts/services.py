@@ -1,0 +1,94 @@
+"""What a run stands on, built one way for training, eval and white-box runs:
+
+    engine (launched for a model folder, or attached by --vllm-url)
+      [<- the oracle upstream: each task's known solution, for eval --policy oracle]
+      <- capture proxy (journal and log in the output folder)
+      -> a session factory over the proxy: agents in sandboxes (LocalSessionFactory) or a white-box
+         environment (EnvironmentSessionFactory); the trainer calls it with its sampling policy
+
+The settings it reads are rollouts/config.py's RolloutConfig (the train and eval configs inherit it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from harness_trainer.proxy.client import ProxyClient, ProxyServer
+from harness_trainer.rollouts.config import RolloutConfig
+from harness_trainer.rollouts.environments import EnvironmentSessionFactory
+from harness_trainer.rollouts.session import LocalSessionFactory
+from harness_trainer.serving.engine import EngineConfig, VLLMServer
+from harness_trainer.serving.supervise import Supervisor
+
+
+@dataclass
+class Services:
+    engine: VLLMServer
+    proxy: ProxyServer
+    sessions: Callable  # sampling policy (dict) -> a session factory (LocalSessionFactory or EnvironmentSessionFactory)
+    supervisor: Supervisor | None = None
+
+
+def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None) -> Callable:
+    """The factory the trainer (or eval) calls with its sampling policy: `cfg` is a RolloutConfig (or has its
+    fields) plus max_tool_calling_iterations and max_completion_length for a white-box `environment` class."""
+    if environment is not None:
+        return partial(EnvironmentSessionFactory, proxy=proxy, environment_factory=environment,
+                       max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                       max_completion_length=cfg.max_completion_length,
+                       agent_timeout_s=getattr(cfg, "agent_timeout", None))
+    return partial(LocalSessionFactory, proxy=proxy, harness=cfg.harness, sandbox=cfg.sandbox,
+                   output_dir=output_dir or Path("runs/rollouts"), step_limit=cfg.agent_step_limit,
+                   agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key, agent_command=cfg.agent_command,
+                   agent_config=cfg.agent_config, public_url=cfg.public_url)
+
+
+@contextlib.contextmanager
+def run_services(cfg: RolloutConfig, out: Path, *, model_dir: Path | None, environment=None,
+                 rollouts_dir: Path | None = None, oracle_tasks: list | None = None,
+                 oracle_mistake_rate: float = 0.0, supervise: bool = False, lora_rank: int = 0,
+                 max_loras: int = 4) -> Iterator[Services]:
+    """Engine, [oracle,] proxy and the session factory, stopped on exit. `oracle_tasks`: answer model calls
+    with those tasks' solutions. `supervise`: a server of ours that dies is started again on its port (the
+    trainer waits for it and puts back what it lost, serving/supervise.py)."""
+    with contextlib.ExitStack() as stack:
+        if cfg.vllm_url:
+            engine = VLLMServer.attach(cfg.vllm_url)
+        else:
+            engine = stack.enter_context(VLLMServer(EngineConfig(
+                model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log", lora_rank=lora_rank,
+                max_loras=max_loras)))
+        upstream = engine.url
+        if oracle_tasks is not None:
+            from harness_trainer.rollouts.oracle import OracleUpstream
+
+            upstream = stack.enter_context(OracleUpstream(engine.url, oracle_tasks, model=engine.model_name,
+                                                          mistake_rate=oracle_mistake_rate)).url
+        host = "0.0.0.0" if cfg.public_url else "127.0.0.1"  # remote sandboxes reach it from outside
+        proxy = stack.enter_context(ProxyServer(upstream, model=engine.model_name, port=cfg.proxy_port, host=host,
+                                                journal=out / "journal", log_path=out / "proxy.log"))
+        supervisor = None
+        if supervise:
+            watched = {"the capture proxy": (proxy.managed, proxy.startup_timeout_s)}
+            if not cfg.vllm_url:
+                watched["vLLM"] = (engine.managed, engine.cfg.startup_timeout_s)
+            supervisor = stack.enter_context(Supervisor(watched))
+        yield Services(engine, proxy, session_factory(cfg, proxy.client, environment, rollouts_dir), supervisor)
+
+
+def environment_sessions(environment_factory, args) -> tuple[Callable, ProxyServer]:
+    """For a trainer given only environment_factory (TRL's call shape): a capture proxy of its own in front of
+    args.vllm_server_base_url (started and stopped by the trainer) and the session factory over it."""
+    from harness_trainer.rollouts.environments import EnvironmentContractError
+
+    if not args.vllm_server_base_url:
+        raise EnvironmentContractError("an environment_factory run samples from vLLM through the capture proxy: set "
+                                       "vllm_server_base_url (start one with `harness-train serve --model DIR`)")
+    out = Path(args.output_dir)
+    engine = VLLMServer.attach(args.vllm_server_base_url)
+    proxy = ProxyServer(engine.url, model=engine.model_name, journal=out / "journal", log_path=out / "proxy.log")
+    return session_factory(args, proxy.client, environment_factory), proxy

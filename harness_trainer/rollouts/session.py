@@ -1,0 +1,307 @@
+"""One rollout = one task, one sandbox, one capture session, one unmodified agent, then the verifier.
+
+The contract the trainer uses, shaped like OpenEnv's so its `HarborSessionFactory` fits too:
+
+    factory = partial(LocalSessionFactory, proxy=..., harness="mini-swe-agent", ...)(sampling)
+    session = factory.create(task, seed=0, episode_id="g3-r1")     # the agent starts
+    exit_code = session.wait_for_completion(timeout_s)             # it finishes or is killed
+    trace = session.fetch_training_trace()                         # OpenEnv TrainingTrace
+    result = session.verify(transcript)                            # OpenEnv VerifyResult (env_reward)
+    session.close()
+
+`run_rollout` does all of it and classifies how it ended:
+    ok             the agent ran, the verifier scored it
+    cancelled      stopped by the trainer because its policy became too stale: not verified, not trained
+    timeout        the agent was killed at its timeout: captured turns and the verifier's score are kept
+    unscorable     sandbox / agent start / transport failure (the agent's own report of a model API error
+                   included), or the verifier could not score: reward None
+A capture that breaks the trace contract is no status: run_rollout raises CaptureContractError, which stops
+training.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from openenv.core.harness.rollout import VerifyResult
+from openenv.core.harness.training import TrainingTrace
+
+from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
+from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError, make_sandbox
+from harness_trainer.rollouts.tasks import Task
+from harness_trainer.rollouts.verifier import VerifierResult, verify
+from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
+
+
+class CaptureContractError(RuntimeError):
+    """A captured rollout breaks the TrainingTrace contract. Fatal: training stops on it."""
+
+
+@dataclass
+class HarnessRolloutOutcome:
+    """Exactly the seed's fields: what a `rollout_reward_fn` sees."""
+    env_reward: float | None
+    completion: list[dict]
+    trace: list[dict]
+    tool_call_count: int
+    tool_failure_count: int
+    tool_calls_by_name: dict[str, int]
+    timed_out: bool
+
+
+@dataclass
+class RolloutRecord:
+    """Everything about one rollout, for the eval table, the trainer and the output folder."""
+    task: str
+    episode_id: str
+    outcome: HarnessRolloutOutcome
+    status: str  # ok | cancelled | timeout | unscorable
+    reason: str = ""
+    invalid_tool_calls: int = 0
+    training_trace: dict | None = None  # OpenEnv wire form, when trainable
+    verifier_detail: str = ""
+    agent_exit: int | None = None
+    seconds: float = 0.0
+    policy_versions: list[int] = field(default_factory=list)
+    verifier_output: str = ""  # the end of test.sh's stdout and stderr
+    calls: list[dict] = field(default_factory=list)  # every captured call, ids left out: the rollout graph
+    reward: float | None = None  # what the trainer trained on: the sum of reward_terms (rewards.score_group)
+    reward_terms: dict | None = None  # each reward function's value, by name; None until scored
+    environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
+    #                                                                         its group is scored (not saved)
+
+
+class CapturedSession:
+    """What every session does with its capture session on the proxy (needs factory.proxy, factory.sampling,
+    factory.max_model_calls, factory.agent_timeout_s, task, episode_id, capture, error): open it, read back the
+    trace, the clean stops and the rollout graph, delete it."""
+
+    @property
+    def timeout_s(self) -> float:
+        return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
+
+    def open_capture(self) -> bool:
+        """The rollout's own capture session (its key is the agent's API key); False, with error set, if none."""
+        f = self.factory
+        try:
+            self.capture = f.proxy.create_session(
+                policy=f.sampling, max_model_calls=f.max_model_calls,
+                metadata={"task": self.task.name, "episode_id": self.episode_id})
+        except Exception as exc:  # transport
+            self.error = f"could not create a capture session: {exc}"
+        return self.capture is not None
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        """The captured turns. Raises CaptureNotTrainable when nothing trainable was captured and
+        CaptureContractError when what was captured breaks the contract."""
+        if self.capture is None:
+            raise ProxyError(self.error or "no capture session")
+        wire = self.factory.proxy.trace(self.capture["id"])
+        try:
+            return TrainingTrace.model_validate(wire)
+        except ValueError as exc:
+            raise CaptureContractError(f"rollout {self.episode_id} ({self.task.name}): the captured trace breaks "
+                                       f"the TrainingTrace contract: {exc}") from None
+
+    def proxy_stops(self) -> list[str]:
+        """Clean stops the proxy answered this rollout's agent with (model-call budget, context overflow)."""
+        try:
+            return list(self.factory.proxy.session(self.capture["id"]).get("stops") or []) if self.capture else []
+        except Exception:  # a reason is only information; never fail a rollout over it
+            return []
+
+    def rollout_calls(self) -> list[dict]:
+        """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),
+        without their token ids: the rollout graph the run viewer draws."""
+        keep = ("node_id", "index", "role", "parent", "n_tools", "finish_reason", "policy_version", "model",
+                "problem", "dialect", "stream", "prompt_tokens", "completion_tokens")
+        try:
+            calls = self.factory.proxy.graph(self.capture["id"])["calls"] if self.capture else []
+        except Exception:  # information only; never fail a rollout over it
+            return []
+        return [{**{k: c.get(k) for k in keep},
+                 "seconds": round(max(0.0, (c.get("finished") or 0) - (c.get("started") or 0)), 3)} for c in calls]
+
+    def delete_capture(self) -> None:
+        if self.capture is not None:
+            try:
+                self.factory.proxy.delete(self.capture["id"])
+            except Exception:
+                pass
+
+
+class LocalSession(CapturedSession):
+    def __init__(self, factory: LocalSessionFactory, task: Task, episode_id: str):
+        self.factory, self.task, self.episode_id = factory, task, episode_id
+        self.trial_dir = factory.output_dir / "trials" / episode_id
+        self.sandbox: Sandbox | None = None
+        self.capture: dict | None = None
+        self.result: ExecResult | None = None
+        self.report = AgentReport()
+        self.error: str | None = None  # why it cannot be scored, if so
+        self.cancelled = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        f = self.factory
+        if not self.open_capture():
+            return
+        try:
+            self.sandbox = f.make_sandbox(self.trial_dir, self.task)
+            self.sandbox.start()
+            if app := self.task.app_files():
+                self.sandbox.upload(app, "/app")
+            command, env = f.harness.prepare(AgentRun(
+                instruction=self.task.instruction, base_url=f.agent_base_url(self.capture),
+                api_key=self.capture["api_key"], model=self.capture["model"], step_limit=f.step_limit,
+                timeout_s=self.timeout_s))
+        except (SandboxError, OSError) as exc:
+            self.error = f"sandbox failed to start: {exc}"
+            return
+        self._thread = threading.Thread(target=self._run, args=(command, env), daemon=True)
+        self._thread.start()
+
+    def _run(self, command: str, env: dict) -> None:
+        self.result = self.sandbox.exec(command, self.timeout_s, env)
+        if self.result.returncode in (126, 127) and not self.result.timed_out:
+            self.error = f"the agent did not start (exit {self.result.returncode}): {self.result.stderr[-300:]}"
+        try:
+            self.report = self.factory.harness.collect(self.sandbox, self.result)
+        except Exception as exc:
+            self.report = AgentReport(exit_status=f"unreadable agent output: {exc}")
+        if self.report.failure and not self.error and not self.cancelled:
+            self.error = f"the agent stopped on a model API failure: {self.report.failure}"
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.result.returncode if self.result else -1
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.result and self.result.timed_out)
+
+    def verify(self, transcript: list | None = None, final_state=None) -> VerifyResult:
+        if self.sandbox is None or self.error:
+            return VerifyResult(env_reward=None, done=True, metrics={"verifier": self.error or "no sandbox"})
+        result: VerifierResult = verify(self.sandbox, self.task, self.factory.reward_key)
+        output = "\n".join(part for part in (result.stdout.strip(), result.stderr.strip()) if part)
+        return VerifyResult(env_reward=result.reward, done=True,
+                            metrics={"verifier": result.detail, "verifier_output": output})
+
+    def cancel(self) -> None:
+        """Stop the agent now (from another thread): the rollout ends 'cancelled', unverified and untrained."""
+        self.cancelled = True
+        if self.sandbox is not None and hasattr(self.sandbox, "cancel"):
+            self.sandbox.cancel()
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.stop()
+        self.delete_capture()
+
+
+class LocalSessionFactory:
+    """Builds rollouts that run an agent harness in a sandbox against a capture proxy.
+
+    Called by the trainer with its sampling policy (a dict: temperature, max_tokens_cap), so pass it as
+    `partial(LocalSessionFactory, proxy=..., harness=...)`."""
+
+    def __init__(self, sampling: dict | None = None, *, proxy: ProxyClient, harness: str | Harness = "mini-swe-agent",
+                 sandbox: str = "local", output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
+                 agent_timeout_s: float | None = None, max_model_calls: int | None = None,
+                 reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None,
+                 agent_config: str | None = None):
+        self.sampling = dict(sampling or {})
+        self.proxy = proxy
+        self.harness = make_harness(harness, agent_command, agent_config) if isinstance(harness, str) else harness
+        self.harness.check_installed()
+        self.sandbox_kind, self.public_url = sandbox, public_url
+        self.output_dir = Path(output_dir)
+        self.step_limit, self.agent_timeout_s = step_limit, agent_timeout_s
+        self.max_model_calls = max_model_calls if max_model_calls is not None else step_limit * 2 + 4
+        self.reward_key = reward_key
+
+    def make_sandbox(self, trial_dir: Path, task: Task) -> Sandbox:
+        return make_sandbox(self.sandbox_kind, trial_dir, public_url=self.public_url, task_dir=task.path)
+
+    def agent_base_url(self, capture: dict) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/") + "/v1"
+        return capture["base_url"]
+
+    def create(self, task: Task, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
+        session = LocalSession(self, task, episode_id or f"{task.name}-{uuid.uuid4().hex[:8]}")
+        session.start()
+        return session
+
+
+def _exit_reason(code: int) -> str:
+    """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent."""
+    import signal
+
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    try:
+        killed = f" (killed by {signal.Signals(number).name}{' with its sandbox' if code < 0 else ''})" \
+            if number else ""
+    except ValueError:
+        killed = ""
+    return f"the agent exited with code {code}{killed}; its workspace was verified as it stood"
+
+
+def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None = None,
+                on_session=None) -> RolloutRecord:
+    """Create, wait, fetch, verify, close; classify the ending. Raises CaptureContractError only.
+    `on_session(session)` is called once the agent runs (the trainer keeps it to cancel stale work)."""
+    started = time.perf_counter()
+    session = factory.create(task, episode_id=episode_id)
+    if on_session:
+        on_session(session)
+    try:
+        exit_code = session.wait_for_completion(session.timeout_s + 60)
+        if session.cancelled:
+            outcome = HarnessRolloutOutcome(None, [], [], 0, 0, {}, False)
+            return RolloutRecord(task=task.name, episode_id=session.episode_id, outcome=outcome, status="cancelled",
+                                 reason="cancelled: it could no longer finish within max_staleness",
+                                 agent_exit=exit_code, seconds=time.perf_counter() - started)
+        trace, reason = None, session.error or ""
+        if not session.error:
+            try:
+                trace = session.fetch_training_trace()
+            except CaptureNotTrainable as exc:
+                reason = f"nothing trainable was captured: {exc}"
+            except ProxyError as exc:
+                reason = f"could not fetch the trace: {exc}"
+        if not reason and (stops := session.proxy_stops()):  # the agent was stopped cleanly: say why
+            reason = "stopped by the capture proxy: " + "; ".join(stops)
+        if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
+            reason = _exit_reason(exit_code)
+        reason = reason or getattr(session, "end_reason", "")  # a white-box episode cut by its limits
+        verified = session.verify(session.report.completion)
+        calls = session.rollout_calls() if hasattr(session, "rollout_calls") else []
+        if session.error:
+            status = "unscorable"
+        elif verified.env_reward is None and not verified.metrics.get("scored_later"):
+            status, reason = "unscorable", reason or verified.metrics.get("verifier", "")
+        else:
+            status = "timeout" if session.timed_out else "ok"
+        wire = trace.model_dump(mode="json") if trace else None
+        report = session.report
+        outcome = HarnessRolloutOutcome(
+            env_reward=verified.env_reward if status != "unscorable" else None, completion=report.completion,
+            trace=[t for t in wire["turns"]] if wire else [], tool_call_count=report.tool_call_count,
+            tool_failure_count=report.tool_failure_count, tool_calls_by_name=dict(report.tool_calls_by_name),
+            timed_out=session.timed_out)
+        return RolloutRecord(
+            task=task.name, episode_id=session.episode_id, outcome=outcome, status=status, reason=reason,
+            invalid_tool_calls=report.invalid_tool_calls, training_trace=wire,
+            verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
+            seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
+            calls=calls, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
+            environment=getattr(session, "environment", None))
+    finally:
+        session.close()

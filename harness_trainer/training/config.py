@@ -1,0 +1,95 @@
+"""The trainer's settings: one dataclass in the style of TRL's configs, each field's help in its metadata.
+
+The CLI's run config (`commands/train.py: TrainRunConfig`) inherits this one and adds only what a run needs
+besides the trainer (harness, dataset, model, sandbox, ports); every field here is also a `harness-train` flag
+(`--max-step-kl`) and a `--config` YAML key (`max_step_kl`). docs/cli.md is generated from these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from harness_trainer.rollouts.config import option
+
+
+@dataclass
+class AsyncGRPOConfig:
+    output_dir: str = option("runs/train", "where everything goes: checkpoints, final/, metrics, rollouts")
+    vllm_server_base_url: str | None = option(None, "the engine the trainer syncs its weights into (the CLI sets "
+                                                    "it to the engine it launched or attached)")
+    # rollouts
+    num_generations: int = option(4, "rollouts per task in a group")
+    max_concurrent_rollouts: int = option(8, "rollouts running at once")
+    max_staleness: int = option(2, "policy versions a rollout may lag the trainer")
+    groups_per_step: int = option(1, "finished groups (tasks) per optimizer step, each with its own advantages")
+    temperature: float = option(1.0, "sampling temperature, also used in the loss")
+    max_completion_tokens: int = option(256, "cap on tokens per model call")
+    max_tool_calling_iterations: int | None = option(None, "white-box: tool rounds per episode (none: no bound)")
+    max_completion_length: int = option(1024, "white-box: tokens after the prompt per episode, all turns together")
+    shuffle_dataset: bool = option(True, "each pass over the dataset in its own seeded order")
+    # optimisation
+    max_steps: int = option(20, "optimizer steps")
+    learning_rate: float = option(1e-5, "AdamW learning rate")
+    max_grad_norm: float = option(1.0, "gradient norm clip")
+    warmup_ratio: float = option(0.0, "share of --max-steps over which the learning rate rises from 0")
+    lr_scheduler_type: str = option("constant", "learning-rate schedule: constant, constant_with_warmup, linear, "
+                                                "cosine, ... (transformers' names)")
+    seed: int = option(0, "seed for the trainer's RNGs")
+    # the loss (training/grpo.py)
+    loss_mode: str = option("decoupled", "decoupled (behaviour / proximal / current policy) or ppo")
+    clip_low: float = option(0.2, "PPO clip range below 1")
+    clip_high: float = option(0.2, "PPO clip range above 1")
+    is_mode: str = option("tis", "importance weight to the behaviour policy: tis (truncated) or none")
+    is_bound: float = option(2.0, "truncation of the importance weight")
+    kl_beta: float = option(0.0, "weight of a KL term to the starting policy (0: none, no reference copy)")
+    scale_rewards: bool = option(False, "divide each group's advantages by its reward std")
+    # the trust region (training/trust_region.py)
+    behaviour_clip: bool = option(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
+                                        "to the policy that sampled it is past the clip range")
+    step_clip: float | None = option(0.2, "trust region: a step that moves a trained token's probability by more "
+                                          "than a factor 1 +- this is halved until it does not (none: off)")
+    max_step_kl: float | None = option(0.01, "trust region: a step whose mean KL on its own batch is larger is "
+                                             "halved too (none: off)")
+    # memory and precision
+    max_tokens_per_microbatch: int | None = option(16384, "tokens of the packed prefix tree per forward/backward: "
+                                                          "bounds a step's memory (none: the whole tree at once)")
+    dtype: str = option("float32", "weights' dtype in the trainer: float32, or bfloat16 / float16 on GPU "
+                                   "(logprobs are float32 either way)")
+    gradient_checkpointing: bool = option(False, "recompute each layer in the backward: less memory, more time")
+    # LoRA (training/lora.py)
+    use_peft: bool = option(False, "train a LoRA adapter, synced into vLLM by name (policy-vN), not every weight")
+    lora_rank: int = option(16, "LoRA rank r")
+    lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = option(0.0, "LoRA dropout (0: the trainer's logprobs match the engine's)")
+    lora_target_modules: list[str] | None = option(None, "comma-separated module names (default: the attention "
+                                                         "and MLP projections)")
+    # the weight sync (serving/weight_sync.py, training/policy_sync.py)
+    weight_sync_steps: int = option(1, "steps between weight syncs into vLLM")
+    weight_sync_backend: str | None = option(None, "reload (any vLLM, CPU included), lora or nccl (GPU); "
+                                                   "default: lora with --use-peft, else reload")
+    weight_sync_timeout_s: float = option(120.0, "seconds each weight-sync request may take")
+    probe_tolerance: float | None = option(None, "largest logprob gap vLLM vs trainer after a sync (default: 1e-3 "
+                                                 "in float32, 5e-2 in 16-bit)")
+    service_recovery_timeout_s: float = option(300.0, "seconds a step waits for a stopped engine or proxy "
+                                                      "(restarted by the run) before the run stops, its last step "
+                                                      "saved")
+    # outputs
+    logging_steps: int = option(1, "steps between log lines")
+    save_steps: int = option(5, "steps between checkpoints")
+    save_total_limit: int = option(2, "checkpoints kept")
+    save_best: bool = option(False, "keep best/ beside final/: the model after the step with the best training "
+                                    "reward (mean over --best-window steps)")
+    best_window: int = option(4, "steps averaged for --save-best (one group's reward is too noisy to rank by)")
+    resume_from_checkpoint: str | None = option(None, 'a checkpoint folder, or "latest" (the newest in '
+                                                      '--output-dir)')
+
+    def __post_init__(self):
+        if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
+            self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+
+
+def same_as(name: str, default=dataclasses.MISSING):
+    """For another command's config: the trainer's setting of that name, its help, and its default unless given."""
+    trainer = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}[name]
+    return option(trainer.default if default is dataclasses.MISSING else default, trainer.metadata["help"])

@@ -1,0 +1,115 @@
+"""The policy in the engine: the trainer's weights synced into vLLM after a step through one weight-sync
+backend (serving/weight_sync.py: every weight by reload, or a LoRA adapter by name), probed, and put back when
+the engine or the proxy restarted. A mixin of the trainer (trainer.py): it reads the trainer's args, model,
+version, factory.proxy and sets served_name.
+
+    sync_weights        weights -> engine as version + 1, proxy told, probe: vLLM's teacher-forced logprobs
+                        must equal the trainer's
+    _ensure_services    before a step: engine and proxy answer (bounded waits, serving/supervise.py), a restarted proxy
+                        gets the version again, a restarted engine the weights again
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import torch
+
+from harness_trainer.serving.engine import teacher_forced_logprobs
+from harness_trainer.serving.supervise import ServiceDown, wait_for
+from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
+
+log = logging.getLogger("harness_trainer")
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a failed weight sync, a probe mismatch, a service gone); the message says why."""
+
+
+class PolicySync:
+    def sync_weights(self) -> float:
+        url = self.args.vllm_server_base_url
+        if not url:
+            raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
+        started = time.perf_counter()
+        name = self._sync_step(lambda: self._load_weights(url, self.version + 1))
+        self.version, self.served_name = self.version + 1, name
+        proxy = getattr(self.factory, "proxy", None)
+        if proxy is not None:
+            proxy.set_policy_version(self.version, model=name)
+        self._probe(url, name)
+        if self.peft is not None and proxy is not None:  # adapters no rollout may still sample from
+            self._sync_step(lambda: self.weight_sync.unload_idle(self.version - self.args.max_staleness,
+                                                                 proxy.policy_state()["in_flight"]))
+        return time.perf_counter() - started
+
+    def _sync_step(self, step):
+        """Run one weight-sync step; its failure stops the run with the step's own message."""
+        try:
+            return step()
+        except WeightSyncError as exc:
+            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+
+    def _load_weights(self, url: str, version: int) -> str | None:
+        """The policy into the engine as `version`; returns the name it is served under (a LoRA adapter's)."""
+        if self.weight_sync is None:
+            self.weight_sync = make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
+        return self.weight_sync.load(self.peft if self.peft is not None else self.model, version)
+
+    def _ensure_services(self) -> bool:
+        """Before a step is trained, the proxy and the engine must answer (each waited for up to
+        service_recovery_timeout_s, then TrainingStopped) and hold the trainer's state: a restarted proxy is told
+        the policy version again; a restarted engine, which serves the weights it was launched with, is synced
+        again. True when the engine's weights were put back: rollouts may have sampled the wrong ones."""
+        timeout, url = self.args.service_recovery_timeout_s, self.args.vllm_server_base_url
+        proxy, put_back, resynced = getattr(self.factory, "proxy", None), [], False
+        try:
+            if proxy is not None:
+                state: dict = {}  # the liveness probe's answer is the state to check: asked once
+                wait_for(f"the capture proxy at {proxy.url}", lambda: state.update(proxy.policy_state()), timeout)
+                if state["policy_version"] != self.version:
+                    proxy.set_policy_version(self.version, model=self.served_name)
+                    put_back.append(f"the capture proxy restarted: its policy version is {self.version} again")
+            if url:
+                wait_for(f"the engine at {url}", lambda: httpx.get(f"{url.rstrip('/')}/health",
+                                                                   timeout=10).raise_for_status(), timeout)
+                if not self._engine_serves_policy(url):
+                    self._sync_step(lambda: self._load_weights(url, self.version))
+                    self._probe(url, self.served_name)
+                    put_back.append(f"the engine restarted without the policy: version {self.version} synced again")
+                    resynced = True
+        except ServiceDown as exc:
+            raise TrainingStopped(f"{exc}. Start it again, then resume the run from {self.out / 'latest'} (the last "
+                                  f"saved step)") from None
+        for line in put_back:
+            log.warning("step %d: %s", self.step + 1, line)
+        self.recovered += put_back
+        return resynced
+
+    def _engine_serves_policy(self, url: str) -> bool:
+        if self.served_name is None:  # full weights: the engine reports the version it was last given
+            try:
+                return weight_version(url) == str(self.version)
+            except httpx.HTTPStatusError:  # an engine without the route cannot say: the probe after each sync must
+                return True
+        served = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
+        return any(m["id"] == self.served_name for m in served)
+
+    def _probe(self, url: str, model: str | None = None) -> None:
+        """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""
+        ids = [1, 10, 20, 30, 40, 50, 60, 70, 2]
+        served = torch.tensor(teacher_forced_logprobs(url, ids, model=model))
+        with torch.no_grad():
+            self.model.eval()
+            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].cpu()
+            ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        gap = float((served.double() - ours).abs().max())
+        tolerance = self.args.probe_tolerance
+        if tolerance is None:  # what "the same weights" can mean at this precision
+            tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if gap > tolerance:
+            raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
+                                  f"by {gap:.2e} (> {tolerance}): the engine did not take the weights")
+        self.last_probe_gap = gap

@@ -1,0 +1,135 @@
+"""One optimizer step on finished groups: the maths of GRPO next to the code that runs it.
+
+    rewards -> advantages per group (A_i = r_i - mean(r))           training/grpo.py: group_advantages
+    -> chains (each rollout's turns as token rows, prefix shared)    training/packing.py: chains_from_trace
+    -> one prefix tree of the step's tokens                          training/packing.py: pack
+    -> logprobs of the tree, in micro-batches, memory linear in it   training/tree_forward.py
+    -> loss = token mean over every trained token of the step        training/grpo.py: policy_loss
+    -> AdamW step, then the trust region: a step that moves a trained token's probability by more than a
+       factor 1 +- step_clip, or its batch by more than max_step_kl mean KL, is halved   training/trust_region.py
+
+A mixin of the trainer (training/trainer.py): it reads the trainer's args, model, optimizer, rank and step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+
+import torch
+
+from harness_trainer.rollouts.session import RolloutRecord
+from harness_trainer.traces.files import TrainingTrace
+from harness_trainer.training.distributed import all_reduce, all_reduce_gradients
+from harness_trainer.training.grpo import group_advantages, policy_loss
+from harness_trainer.training.packing import chains_from_trace, pack
+from harness_trainer.training.tree_forward import plan_ranges, tree_backward, tree_logprobs
+from harness_trainer.training.trust_region import bound_step
+
+
+class GRPOStep:
+    def _train_on(self, groups: list[list[RolloutRecord]]) -> dict:
+        """One optimizer step on finished groups, each with its own advantages; the loss is the token mean over
+        every trained token of the step."""
+        seen: set = set()
+        chains, advantages, rewards_all, verifier, zero_groups, lengths = [], [], [], [], 0, []
+        metrics = {"groups": len(groups), "rollouts": sum(map(len, groups)),
+                   "failed": sum(r.status == "unscorable" for g in groups for r in g)}
+        terms: dict[str, list[float]] = {}
+        for records in groups:
+            if any(r.reward_terms is None for r in records):  # groups built outside the loop (tests, benches)
+                self._score(records)
+            rewards = [r.reward if r.status != "unscorable" else None for r in records]
+            for record in records:
+                for name, value in (record.reward_terms or {}).items():
+                    if value is not None:
+                        terms.setdefault(name, []).append(value)
+            group = group_advantages(rewards, scale_std=self.args.scale_rewards)
+            rewards_all += [r for r in rewards if r is not None]
+            verifier += [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
+            zero_groups += group.zero_variance
+            for record, adv in zip(records, group.advantages):
+                if not record.training_trace:
+                    continue
+                trace = TrainingTrace.model_validate(record.training_trace)
+                lengths.append(sum(sum(t.loss_mask[len(t.prompt_token_ids):]) for t in trace.turns))
+                if adv is None or group.zero_variance:
+                    continue
+                chains += chains_from_trace(trace, len(advantages), seen)
+                advantages.append(adv)
+        metrics |= {"reward_mean": _mean(rewards_all), "reward_max": max(rewards_all, default=None),
+                    "verifier_reward_mean": _mean(verifier), "scorable": len(rewards_all),
+                    "zero_variance": zero_groups == len(groups), "zero_variance_groups": zero_groups,
+                    "completion_tokens_mean": _mean(lengths), "lr": self.lr_at(self.step)}
+        for name, values in terms.items():  # each reward function on its own curve
+            metrics[f"rewards/{name}/mean"] = _mean(values)
+            metrics[f"rewards/{name}/std"] = statistics.pstdev(values)
+        total = sum(sum(c.trained) for c in chains)  # the global batch's trained tokens, on every rank
+        if total == 0:
+            return metrics | {"trained_tokens": 0}
+        # This rank's share: whole rollouts, so a fork's supervised-once bookkeeping stays within one rank.
+        chains = [c for c in chains if c.rollout % self.world_size == self.rank]
+        self.model.train()
+        self.optimizer.zero_grad()
+        loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
+        if chains and (packed := pack(chains)).trained.any():
+            tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
+            adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
+            behaviour = tree.behaviour[tree.trained].to(self.device)
+            reference = None
+            if self.args.kl_beta:
+                with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
+                    reference = tree_logprobs(self.ref_model or self.model, tree, temperature, max_tokens=budget)
+
+            def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                # One update per batch: the proximal policy is the model as it is now, so its logprobs are
+                # this forward's own, detached (no separate forward for them).
+                return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
+                                   proximal=logp_part.detach(),
+                                   reference=None if reference is None else reference[index])[0]
+
+            logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
+            loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp, reference=reference)
+            stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
+                      "entropy_max": float(entropy.max()),
+                      "microbatches": len(plan_ranges(tree, budget))}
+        if self.world_size > 1:
+            loss = all_reduce_gradients(self.model, loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.args.max_grad_norm)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = metrics["lr"]
+        bounded = self.args.step_clip is not None or self.args.max_step_kl is not None
+        before = [p.detach().clone() for p in self.params] if bounded else None
+        self.optimizer.step()
+        if before is not None:  # the trust region for fresh tokens (harness_trainer/training/trust_region.py)
+            old = None if logp is None else logp.detach()
+            stats |= bound_step(self.params, before, lambda: self._step_change(tree, old),
+                                self._within_trust_region)
+        return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
+                                  "trained_tokens": total}
+
+    def _step_change(self, tree, old: torch.Tensor | None) -> dict:
+        """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||
+        after), and the smallest and largest ratio p_after / p_before."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        extremes = torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r
+        if tree is not None:
+            with torch.no_grad():
+                diff = (tree_logprobs(self.model, tree, self.args.temperature,
+                                      max_tokens=self.args.max_tokens_per_microbatch) - old).double()
+            sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
+            extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max()]))
+        all_reduce(sums, self.world_size)
+        all_reduce(extremes, self.world_size, op="max")
+        return {"kl": float(sums[0] / sums[1].clamp(min=1)), "ratio_min": math.exp(-float(extremes[0])),
+                "ratio_max": math.exp(float(extremes[1]))}
+
+    def _within_trust_region(self, change: dict) -> bool:
+        clip, kl = self.args.step_clip, self.args.max_step_kl
+        return (clip is None or 1 - clip <= change["ratio_min"] and change["ratio_max"] <= 1 + clip) \
+            and (kl is None or change["kl"] <= kl)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,393 @@
+"""Async GRPO over unmodified agents: rollouts keep running while the trainer steps.
+
+    for each step:
+        fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task:
+        an unmodified agent in a sandbox, adapters/session.py, or a white-box environment, environments.py)
+        score each finished group: reward functions over the group, rollout_reward_fn per rollout (rewards.py)
+        take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
+        versions old (groups still running that can no longer finish in time are cancelled after each sync)
+        the engine and proxy must answer (waited for up to service_recovery_timeout_s: the CLI restarts
+        them, supervise.py); one that restarted gets the policy back, and a restarted engine's rollouts are
+        discarded (they may have sampled the weights it was launched with)
+        rewards -> advantages per group -> chains -> prefix-tree packing -> loss -> one optimizer step
+        (the tree in micro-batches of max_tokens_per_microbatch tokens, memory linear in its tokens:
+         tree_forward.py; the proximal logprobs are the training forward's own, detached)
+        (learning rate from the schedule: warmup_ratio, lr_scheduler_type, as in TRL)
+        trust region: stale tokens past the clip range of their ratio to the behaviour policy get no gradient;
+                      a step that moves a trained token's probability by more than a factor 1 +- step_clip,
+                      or its batch by more than max_step_kl on average, is halved until it does not
+        stability: ratios, trust-region cuts, IS weights, entropy, KL to the behaviour policy, answer length;
+                   a warning when entropy or KL jumps or every rollout of the step scored zero
+        every weight_sync_steps: weights -> the same vLLM (reload), version += 1 in vLLM and the proxy,
+                                 probe: vLLM's teacher-forced logprobs must equal the trainer's
+        every save_steps: checkpoint (model, optimizer, step, version, RNG, dataset position)
+        save_best: best/ holds the model after the step with the best training reward (mean of best_window steps)
+
+Staleness is read from the policy version the proxy stamped on each captured turn, not from dispatch time.
+A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does. A stop
+(TrainingStopped: a service gone past the bound, a failed sync) keeps the last trained step as a checkpoint.
+
+The settings: config.py. One optimizer step: step.py. The weight sync and its probe: policy_sync.py. Data
+parallel: distributed.py. Checkpoints and best/: checkpoints.py. The trust region for fresh tokens and the
+collapse warnings: trust_region.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import random
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from harness_trainer.rollouts.environments import load_rows
+from harness_trainer.rollouts.records import write_record
+from harness_trainer.rollouts.rewards import resolve_rewards, score_group
+from harness_trainer.rollouts.services import environment_sessions
+from harness_trainer.rollouts.session import CaptureContractError, RolloutRecord, run_rollout
+from harness_trainer.rollouts.tasks import Task
+from harness_trainer.serving.weight_sync import WeightSync
+from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
+from harness_trainer.training.config import AsyncGRPOConfig
+from harness_trainer.training.distributed import broadcast, init_distributed
+from harness_trainer.training.grpo import LossConfig
+from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
+from harness_trainer.training.policy_sync import PolicySync, TrainingStopped
+from harness_trainer.training.step import GRPOStep
+from harness_trainer.training.trust_region import StabilityMonitor
+from harness_trainer.training.tree_attention import use_tree_attention
+
+log = logging.getLogger("harness_trainer")
+
+
+class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
+    def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
+                 train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
+                 environment_factory=None, reward_funcs=None):
+        """Black-box: harness_session_factory (a partial of LocalSessionFactory) and Harbor tasks. White-box, as
+        TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs (group functions, rewards.py)
+        and train_dataset rows with a `prompt` column; the trainer then runs its own capture proxy in front of
+        vllm_server_base_url (environments.py). callbacks: objects with any of on_launch(n),
+        on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
+        from transformers import AutoModelForCausalLM
+
+        args = args or AsyncGRPOConfig()
+        self.args = args
+        self.backend = args.weight_sync_backend or ("lora" if args.use_peft else "reload")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("weight_sync_backend='nccl' streams weights GPU to GPU and needs CUDA on the trainer and "
+                             "vLLM on the same host; this machine has no CUDA device. Use weight_sync_backend='reload'.")
+        if self.backend not in ("reload", "lora", "nccl"):
+            raise ValueError(f"unknown weight_sync_backend '{self.backend}': choose reload, lora or nccl")
+        if (self.backend == "lora") != args.use_peft:
+            raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
+                             "full weights by reload")
+        if self.backend == "nccl":
+            raise NotImplementedError("the nccl weight-sync backend is not built yet; use weight_sync_backend='reload', "
+                                      "which works on GPU too")
+        self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_dtype(args.dtype)) if self.model_dir \
+            else model
+        self.dtype = next(self.model.parameters()).dtype
+        # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
+        self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
+                                                      args.lora_target_modules)) if args.use_peft else None
+        self.weight_sync: WeightSync | None = None  # the backend, made at the first sync (policy_sync.py)
+        self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
+        self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
+        use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
+        if args.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.rank, self.world_size = init_distributed()
+        # One device per rank: the rank's GPU where there is one (the engine holds its own), else the CPU.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.model.to(self.device)
+        # A frozen copy of the starting policy, only when the loss has a KL term to it (with LoRA: the same
+        # model with its adapter disabled).
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) \
+            if args.kl_beta and not self.peft else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
+        self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
+        if environment_factory is not None and harness_session_factory is None and self.rank == 0:
+            harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
+        # The trainer owns the sampling policy and hands it to the factory before any session starts
+        # (on rank 0 only: the other ranks never run a rollout).
+        self.factory = harness_session_factory(
+            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens}
+        ) if self.rank == 0 else None
+        self.tasks = list(train_dataset or [])
+        if self.tasks and isinstance(self.tasks[0], dict):  # dataset rows (white-box), not Harbor tasks
+            self.tasks = load_rows(self.tasks)
+        if not self.tasks:
+            raise ValueError("train_dataset is empty: give at least one task")
+        if environment_factory is not None and not reward_funcs and rollout_reward_fn is None:
+            raise ValueError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
+                             "returning one reward (or None) per environment")
+        self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
+        self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
+                                   args.kl_beta, args.behaviour_clip)
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
+        self.lr_at = _schedule(self.optimizer, args)
+        self.monitor = StabilityMonitor()
+        self.step, self.version, self.task_cursor = 0, 0, 0
+        self.out = Path(args.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(args.seed)
+        torch.manual_seed(args.seed)
+        self.history: list[dict] = []
+        self.callbacks = list(callbacks or [])
+        self.best = BestModel(self.out, args.best_window)
+        if args.resume_from_checkpoint:
+            load_checkpoint(self, Path(args.resume_from_checkpoint))
+
+    # ---- rollouts ----------------------------------------------------------------------------------------
+
+    def _next_task(self) -> Task:
+        """Each pass over the dataset in its own seeded order; the cursor alone fixes the position (resume)."""
+        n = len(self.tasks)
+        epoch, index = divmod(self.task_cursor, n)
+        order = random.Random(f"{self.args.seed}-{epoch}").sample(range(n), n) if self.args.shuffle_dataset \
+            else range(n)
+        self.task_cursor += 1
+        return self.tasks[order[index]]
+
+    def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future], list]:
+        task, sessions = self._next_task(), _Sessions()
+        futures = [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}",
+                               sessions.add) for g in range(self.args.num_generations)]
+        self._notify("on_launch", len(futures))
+        for future in futures:
+            future.add_done_callback(self._rollout_done)
+        return task, futures, sessions
+
+    def _rollout_done(self, future: Future) -> None:
+        if future.cancelled():  # never started: stale before its turn
+            self._notify("on_rollout", SimpleNamespace(status="cancelled"))
+            return
+        self._notify("on_rollout", future.exception() or future.result())
+
+    def _notify(self, hook: str, payload) -> None:
+        for callback in self.callbacks:
+            if fn := getattr(callback, hook, None):
+                fn(payload)
+
+    def _cancel_stale(self, pending) -> int:
+        """Stop groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
+        cancelled = 0
+        for _, futures, sessions, launched in pending:
+            if self.version - launched > self.args.max_staleness:
+                for future in futures:
+                    cancelled += future.cancel()  # not started yet
+                cancelled += sessions.cancel_all()
+        return cancelled
+
+    def _collect(self, futures: list[Future], task=None) -> list[RolloutRecord]:
+        records = []
+        for future in futures:
+            try:
+                records.append(future.result())
+            except CaptureContractError:
+                raise
+            except Exception as exc:  # a failed rollout never stops the loop
+                log.warning("rollout failed: %s", exc)
+        try:
+            self._score(records, task)
+        finally:  # every rollout and its trace, trained on or not, even when a reward function failed
+            for record in records:
+                write_record(self.out, record)
+        return records
+
+    def _score(self, records: list[RolloutRecord], task=None) -> None:
+        """The group's rewards, on rank 0 before anything is written or broadcast; a white-box rollout's
+        environment is released once scored."""
+        score_group(records, self.reward_funcs, self.reward_fn, getattr(task, "row", None))
+        for record in records:
+            record.environment = None
+
+    # ---- checkpoints (harness_trainer/training/checkpoints.py) ------------------------------------------------------
+
+    def save_model(self, path: str | Path) -> Path:
+        """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve (with LoRA: the merged
+        model, and the adapter in adapter/)."""
+        if self.peft is None:
+            return save_model(self.model, path, self.model_dir)
+        path = save_model(self.model, path, self.model_dir, state_dict=merged_state_dict(self.model))
+        self.peft.save_pretrained(path / "adapter")
+        return path
+
+    def save_policy(self, path: str | Path) -> Path:
+        """What a checkpoint holds of the policy: the adapter with LoRA, else the whole servable model."""
+        if self.peft is None:
+            return self.save_model(path)
+        self.peft.save_pretrained(path)
+        return Path(path)
+
+    def _save(self) -> Path:
+        return save_checkpoint(self, self.args.save_total_limit)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
+    def train(self) -> list[dict]:
+        if self.rank != 0:
+            return self._follow()
+        try:
+            with self.own_proxy or contextlib.nullcontext():
+                return self._lead()
+        finally:
+            if self.world_size > 1:
+                broadcast(None)  # releases the other ranks, on success or error
+            if self.weight_sync is not None:
+                self.weight_sync.close()
+
+    def _end_step(self, metrics: dict, tasks: list[str], save: bool = False) -> None:
+        """Warnings, best/, the checkpoint and the metrics line of a trained step."""
+        args = self.args
+        metrics.update(step=self.step, version=self.version, task=",".join(tasks))
+        if self.recovered:  # what was put back since the last step (a restarted engine or proxy)
+            metrics["recovered"], self.recovered = self.recovered, []
+        if warnings := self.monitor.check(metrics):
+            metrics["warnings"] = warnings
+            for warning in warnings:
+                log.warning("step %d: %s", self.step, warning)
+        # best/ before the checkpoint, so the checkpoint holds best/'s state after this step
+        if args.save_best and self.best.update(self.step, metrics.get("reward_mean"), self.save_model):
+            metrics["best"] = True
+        if save or self.step % args.save_steps == 0 or self.step == args.max_steps:
+            self._save()  # before the metrics line: a logged step is a saved step
+        self.history.append(metrics)
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self._notify("on_step", metrics)
+        self._notify("log", metrics)
+        if self.step % args.logging_steps == 0:
+            log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
+
+    def _follow(self) -> list[dict]:
+        """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
+        while (groups := broadcast(None)) is not None:
+            self._train_on(groups)
+            self.step += 1
+        return self.history
+
+    def _lead(self) -> list[dict]:
+        args = self.args
+        groups_in_flight = max(args.groups_per_step, args.max_concurrent_rollouts // args.num_generations)
+        if args.vllm_server_base_url:
+            # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
+            # resume it may still hold weights of a step that was never checkpointed).
+            self.sync_weights()
+        pending: deque[tuple[Task, list[Future], list, int]] = deque()
+        with ThreadPoolExecutor(max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)) as pool:
+            try:
+                while self.step < args.max_steps:
+                    groups, tasks, metrics = [], [], {"dropped_stale": 0, "cancelled": 0, "staleness": 0}
+                    for _ in range(args.groups_per_step):
+                        while len(pending) < groups_in_flight:
+                            task, futures, sessions = self._launch_group(pool)
+                            pending.append((task, futures, sessions, self.version))
+                        task, futures, _, launched = pending[0]
+                        records = self._collect(futures, task)  # an interrupt here still finds the group in `pending`
+                        pending.popleft()
+                        versions = [v for r in records for v in r.policy_versions]
+                        staleness = self.version - min(versions) if versions else self.version - launched
+                        metrics["staleness"] = max(metrics["staleness"], staleness)
+                        cancelled = sum(r.status == "cancelled" for r in records)
+                        if staleness > args.max_staleness or cancelled:
+                            metrics["dropped_stale"] += 1
+                            metrics["cancelled"] += cancelled
+                        else:
+                            groups.append(records)
+                            tasks.append(task.name)
+                    try:
+                        weights_put_back = self._ensure_services()
+                    except TrainingStopped:
+                        if self.step and not (self.out / f"checkpoint-{self.step}").exists():
+                            self._save()  # the last logged step is kept, whatever save_steps says
+                        raise
+                    if weights_put_back:
+                        # sampled (in part) by the weights the engine was launched with: not this policy's data
+                        for _, futures, sessions, _ in pending:
+                            for future in futures:
+                                future.cancel()
+                            sessions.cancel_all()
+                        pending.clear()
+                        log.warning("step %d: its rollouts and those in flight are discarded; collecting again",
+                                    self.step + 1)
+                        continue
+                    started = time.perf_counter()
+                    if groups:
+                        if self.world_size > 1:
+                            broadcast(groups)
+                        metrics |= self._train_on(groups)
+                    metrics["train_time_s"] = time.perf_counter() - started
+                    self.step += 1
+                    if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
+                        try:
+                            metrics["weight_sync_time_s"] = self.sync_weights()
+                        except TrainingStopped as exc:  # the step is trained: keep it, then stop
+                            self._end_step(metrics | {"stopped": str(exc)}, tasks, save=True)
+                            raise
+                        metrics["probe_gap"] = self.last_probe_gap
+                        metrics["cancelled_in_flight"] = self._cancel_stale(pending)
+                    self._end_step(metrics, tasks)
+            finally:
+                for _, futures, sessions, _ in pending:  # in-flight work of a finished run is stopped
+                    for future in futures:
+                        future.cancel()
+                    sessions.cancel_all()
+        return self.history
+
+
+class _Sessions(list):
+    """The live sessions of one group. Once cancelled, a session registering late is cancelled on arrival."""
+    stopped = False
+
+    def add(self, session) -> None:
+        self.append(session)
+        if self.stopped:
+            session.cancel()
+
+    def cancel_all(self) -> int:
+        self.stopped = True
+        count = 0
+        for session in list(self):
+            if not session.cancelled:
+                session.cancel()
+                count += 1
+        return count
+
+
+def _schedule(optimizer, args: AsyncGRPOConfig):
+    """step -> learning rate, from transformers' schedulers (the names TRL's configs take)."""
+    from transformers import get_scheduler
+
+    warmup = math.ceil(args.warmup_ratio * args.max_steps)
+    try:
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=args.max_steps)
+    except ValueError as exc:
+        raise ValueError(f"lr_scheduler_type '{args.lr_scheduler_type}': {exc}") from None
+    if args.lr_scheduler_type == "constant" and warmup:
+        raise ValueError("warmup_ratio needs a schedule with a warm-up: use lr_scheduler_type "
+                         "'constant_with_warmup' (or linear, cosine, ...) instead of 'constant'")
+    factor = scheduler.lr_lambdas[0]
+    return lambda step: args.learning_rate * factor(step)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype '{name}': choose one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+__all__ = ["AsyncGRPOConfig", "HarnessAsyncGRPOTrainer", "TrainingStopped"]
