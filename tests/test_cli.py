@@ -70,6 +70,16 @@ def test_old_spellings_still_work_with_a_deprecation_line(capsys):
         assert f"{old} is deprecated and will be removed: use {new}" in err
 
 
+def test_an_old_key_in_a_config_file_still_works(tmp_path, capsys):
+    from harness_trainer.commands.cli import build_parser
+    from harness_trainer.commands.train import train_config
+
+    (tmp_path / "run.yaml").write_text("resume: latest\nservice-recovery-timeout: 30\nmax_steps: 3\n")
+    cfg = train_config(build_parser().parse_args(["train", "--config", str(tmp_path / "run.yaml")]))
+    assert (cfg.resume_from_checkpoint, cfg.service_recovery_timeout_s, cfg.max_steps) == ("latest", 30.0, 3)
+    assert "resume is deprecated and will be removed: use resume_from_checkpoint" in capsys.readouterr().err
+
+
 def test_a_mistyped_command_or_flag_gets_did_you_mean(capsys):
     assert main(["evl", "--dataset", "builtin:toy"]) == 2
     assert "unknown command 'evl': did you mean 'eval'?" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from harness_trainer.commands.evaluate import EvalConfig, evaluate
 
-    cfg = EvalConfig(**config_values(args, EvalConfig))
+    cfg = EvalConfig(**config_values(args, EvalConfig, EVAL_DEPRECATED))
     counts = {"ok": 0, "timeout": 0, "unscorable": 0, "wins": 0}
     with Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn()) as bar:
@@ -70,7 +70,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _sft(args: argparse.Namespace) -> int:
     from harness_trainer.commands.sft import SFTRunConfig, run_sft
 
-    final = run_sft(SFTRunConfig(**config_values(args, SFTRunConfig)))
+    final = run_sft(SFTRunConfig(**config_values(args, SFTRunConfig, SFT_DEPRECATED)))
     print(f"SFT model (Hugging Face format, servable by vLLM): {final}")
     return 0
 

@@ -91,7 +91,7 @@ class Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def load_config_file(path: str | Path, config_cls) -> dict:
+def load_config_file(path: str | Path, config_cls, deprecated: dict[str, str] | None = None) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
@@ -103,6 +103,12 @@ def load_config_file(path: str | Path, config_cls) -> dict:
         raise ConfigError(f"--config {path} must be a mapping of option names to values, e.g. `max_steps: 10`")
     fields = fields_of(config_cls)
     normalised = {str(k).replace("-", "_"): v for k, v in data.items()}
+    for old, name in (deprecated or {}).items():  # an old flag's key, e.g. `resume:`
+        key = old.lstrip("-").replace("-", "_")
+        if key in normalised and key not in fields:
+            print(f"harness-train: --config {path}: {key} is deprecated and will be removed: use {name}",
+                  file=sys.stderr)
+            normalised[name] = normalised.pop(key)
     unknown = sorted(set(normalised) - set(fields))
     if unknown:
         hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u, fields, 1)) else u
@@ -119,9 +125,9 @@ def load_config_file(path: str | Path, config_cls) -> dict:
     return normalised
 
 
-def config_values(args: argparse.Namespace, config_cls) -> dict:
+def config_values(args: argparse.Namespace, config_cls, deprecated: dict[str, str] | None = None) -> dict:
     """Defaults < --config file < flags given on the command line: the values to build `config_cls` from."""
-    file_values = load_config_file(args.config, config_cls) if getattr(args, "config", None) else {}
+    file_values = load_config_file(args.config, config_cls, deprecated) if getattr(args, "config", None) else {}
     return file_values | {name: getattr(args, name) for name in fields_of(config_cls) if hasattr(args, name)}
 
 

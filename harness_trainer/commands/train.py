@@ -46,7 +46,7 @@ def add_train_flags(parser) -> None:
 
 def train_config(args) -> TrainRunConfig:
     """Defaults < --config file < flags given on the command line, checked."""
-    return resolve_config(config_values(args, TrainRunConfig))
+    return resolve_config(config_values(args, TrainRunConfig, DEPRECATED))
 
 
 def parse_train_args(argv: list[str]) -> TrainRunConfig:
