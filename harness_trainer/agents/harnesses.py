@@ -1,5 +1,5 @@
 """Harness adapters: how to run one unmodified agent program against a capture session, inside a sandbox,
-and what it did, read from its own output (the contract: adapters/agent.py). mini-swe-agent, opencode and the
+and what it did, read from its own output (the contract: agents/base.py). mini-swe-agent, opencode and the
 command template live here; claude-code and codex have a file each.
 """
 

@@ -102,7 +102,7 @@ class TrainProgress:
             self.stability = metrics
         if metrics.get("warnings"):
             self.warning = f"step {self.step}: " + "; ".join(metrics["warnings"])
-        if metrics.get("recovered"):  # a restarted engine or proxy, put back (supervise.py)
+        if metrics.get("recovered"):  # a restarted engine or proxy, put back (serving/supervise.py)
             self.recovered = f"before step {self.step}: " + "; ".join(metrics["recovered"])
 
     def __rich__(self):

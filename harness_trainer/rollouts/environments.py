@@ -23,7 +23,7 @@ One rollout = one capture session + one fresh instance:
            max_completion_length tokens after the prompt used (sampled and tool answers, all turns together)
                                                          -> it ends
            else each tool call runs, its answer becomes a tool message
-The session keeps adapters/session.py's contract, so the trainer, `eval` and the viewer take it unchanged; its
+The session keeps session.py's contract, so the trainer, `eval` and the viewer take it unchanged; its
 rewards come from the reward functions over its group (rewards.score_group), not from a verifier.
 Environments are the user's own Python and run in the trainer's process, as in TRL: no sandbox.
 """

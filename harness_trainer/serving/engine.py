@@ -51,7 +51,7 @@ class EngineConfig:
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu: bool | None = None  # None: detect
     extra_args: list[str] = field(default_factory=list)
-    lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (harness_trainer/training/lora.py)
+    lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (serving/weight_sync.py)
     max_loras: int = 4  # adapters held at once: at least max_staleness + 2
     startup_timeout_s: float = 300.0
     log_path: Path | None = None

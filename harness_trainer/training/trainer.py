@@ -2,8 +2,8 @@
 
     for each step:
         fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task:
-        an unmodified agent in a sandbox, adapters/session.py, or a white-box environment, environments.py)
-        score each finished group: reward functions over the group, rollout_reward_fn per rollout (rewards.py)
+        an unmodified agent in a sandbox, rollouts/session.py, or a white-box environment, rollouts/environments.py)
+        score each finished group: reward functions over the group, rollout_reward_fn per rollout (rollouts/rewards.py)
         take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
         versions old (groups still running that can no longer finish in time are cancelled after each sync)
         the engine and proxy must answer (waited for up to service_recovery_timeout_s: the CLI restarts
@@ -75,7 +75,7 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         """Black-box: harness_session_factory (a partial of LocalSessionFactory) and Harbor tasks. White-box, as
         TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs (group functions, rewards.py)
         and train_dataset rows with a `prompt` column; the trainer then runs its own capture proxy in front of
-        vllm_server_base_url (environments.py). callbacks: objects with any of on_launch(n),
+        vllm_server_base_url (rollouts/services.py). callbacks: objects with any of on_launch(n),
         on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
         from transformers import AutoModelForCausalLM
 
