@@ -81,3 +81,19 @@ def smoke_run(engine, tmp_path_factory):
         capture_output=True, text=True, timeout=600, env=dict(os.environ, TRACKIO_DIR=str(root / "trackio")))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the time went, per test file (setup, call and teardown together), after pytest's slowest-tests list."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(getattr(report, "duration", None), float) and getattr(report, "nodeid", ""):
+                path = report.nodeid.split("::")[0]
+                totals[path] = totals.get(path, 0.0) + report.duration
+    if not totals:
+        return
+    terminalreporter.write_sep("=", "time per test file")
+    for path, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(totals.values()):8.1f} s  in all")
