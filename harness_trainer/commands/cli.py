@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from harness_trainer.commands.flags import ArgumentParser, Deprecated, add_config_flags, config_values
+from harness_trainer.serving.process import interrupt_on_sigterm
 
 
 def _model_tiny(args: argparse.Namespace) -> int:
@@ -31,7 +32,6 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                        port=args.port, max_model_len=args.max_model_len, startup_timeout_s=args.startup_timeout,
                        log_path=Path(args.log) if args.log else None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM -> finally: stop the engine's group
     with VLLMServer(cfg) as server:
         print(f"vLLM serving {args.model} as '{cfg.served_model_name}' at {server.url}/v1 "
               f"(log: {cfg.log_path}); Ctrl-C stops it", flush=True)
@@ -168,7 +168,6 @@ def _train(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     hf_logging.disable_progress_bar()  # one live display, not a bar per checkpoint
     progress = TrainProgress(cfg.max_steps)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         with Live(progress, refresh_per_second=2, transient=False):
             summary = run_training(cfg, callbacks=[progress])
@@ -331,6 +330,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The errors whose message is the whole answer (it names what was wrong and what to do): printed on one line, no
+# traceback. By module name, so a command imports only what it uses (`jobs status` does not import torch or
+# openenv): an error can only come from a module that was imported.
+USER_ERRORS = {
+    "harness_trainer.agents.harnesses": "AdapterError", "harness_trainer.agents.sandbox": "SandboxError",
+    "harness_trainer.rollouts.tasks": "TaskError", "harness_trainer.serving.engine": "EngineError",
+    "harness_trainer.rollouts.environments": "EnvironmentContractError", "harness_trainer.commands.jobs": "JobError",
+    "harness_trainer.proxy.client": "ProxyError", "harness_trainer.rollouts.rewards": "RewardError",
+    "harness_trainer.commands.sft": "SFTError", "harness_trainer.commands.flags": "ConfigError",
+    "harness_trainer.training.trainer": "TrainingStopped", "harness_trainer.commands.viewer.runs": "ViewerError",
+}
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS.items() if module in sys.modules)
+
+
 COMMANDS = ("train", "model", "serve", "eval", "sft", "view", "jobs", "proxy")
 # old spellings -> fields: they still work, with a deprecation line (commands/flags.py)
 EVAL_DEPRECATED = {"-n": "num_generations", "--concurrency": "max_concurrent_rollouts",
@@ -355,27 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from harness_trainer.agents.harnesses import AdapterError
-    from harness_trainer.agents.sandbox import SandboxError
-    from harness_trainer.rollouts.tasks import TaskError
-    from harness_trainer.serving.engine import EngineError
-    from harness_trainer.rollouts.environments import EnvironmentContractError
-    from harness_trainer.commands.jobs import JobError
-    from harness_trainer.proxy.client import ProxyError
-    from harness_trainer.rollouts.rewards import RewardError
-    from harness_trainer.commands.sft import SFTError
-    from harness_trainer.commands.flags import ConfigError
-    from harness_trainer.training.trainer import TrainingStopped
-    from harness_trainer.commands.viewer.runs import ViewerError
-
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C / SIGINT always interrupts cleanly: a shell starting us in the background from a script leaves
         # SIGINT ignored, and Python keeps an ignored SIGINT ignored (a run then went on training after kill -INT)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupt_on_sigterm()  # SIGTERM stops us as Ctrl-C does: servers stopped, finished work kept
     try:
         return args.func(args)
-    except (EngineError, FileExistsError, FileNotFoundError, TaskError, SandboxError, AdapterError, ProxyError,
-            SFTError, ConfigError, RewardError, TrainingStopped, JobError, ViewerError, EnvironmentContractError) as exc:
+    except KeyboardInterrupt:
+        print(f"harness-train {args.command}: interrupted; everything it started is stopped", file=sys.stderr)
+        return 130
+    except (FileExistsError, FileNotFoundError, *_user_errors()) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
         return 1
 

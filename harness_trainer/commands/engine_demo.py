@@ -7,6 +7,7 @@ match transformers on those weights), then stops the engine. Later stages of the
 
 from __future__ import annotations
 
+import sys
 import time
 
 import httpx
@@ -14,6 +15,7 @@ import torch
 
 from harness_trainer.serving.engine import EngineConfig, VLLMServer, teacher_forced_logprobs
 from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.serving.process import interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights, weight_version
 
 TOOLS = [{"type": "function", "function": {
@@ -23,7 +25,17 @@ MESSAGES = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "Print the numbers 1 to 3."}]
 
 
-def main() -> None:
+def main() -> int:
+    interrupt_on_sigterm()  # SIGTERM stops the demo as Ctrl-C does, its engine with it
+    try:
+        demo()
+    except KeyboardInterrupt:
+        print("engine demo: interrupted; its engine is stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+def demo() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -74,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

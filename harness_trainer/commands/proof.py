@@ -32,6 +32,7 @@ from pathlib import Path
 
 from harness_trainer.commands.evaluate import EvalConfig, EvalSummary, evaluate
 from harness_trainer.commands.flags import ArgumentParser, Deprecated
+from harness_trainer.serving.process import interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import reload_weights
 
 TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent on the slip, not on noise
@@ -152,6 +153,16 @@ def spread(rows: list[tuple[str, EvalSummary]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupt_on_sigterm()  # a `timeout` or a scheduler stops the proof as Ctrl-C does: engine and proxy with it
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("proof: interrupted; its engine and proxy are stopped, finished stages are in the output folder",
+              file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(prog="python -m harness_trainer.commands.proof", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/proof", help="where every stage writes (default: runs/proof)")

@@ -1,5 +1,6 @@
 """A supervised server subprocess: started in its own process group, waited on until healthy, stopped as a
-whole group. The engine (vLLM) and the capture proxy both run this way."""
+whole group, and tethered to this process (tether.py): if we die without stopping it — SIGKILL, the OOM
+killer — the group is stopped for us. The engine (vLLM) and the capture proxy both run this way."""
 
 from __future__ import annotations
 
@@ -7,14 +8,31 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
 
+TETHER = Path(__file__).with_name("tether.py")
+
+
 class ProcessError(RuntimeError):
     """A supervised server failed to start or stop; the message says what to do."""
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def interrupt_on_sigterm() -> None:
+    """Every entry point calls this first: SIGTERM (a `timeout`, a scheduler, a job system stopping us) becomes
+    KeyboardInterrupt in the main thread, so every `with` and `finally` runs — servers stopped as groups, what is
+    finished kept on disk — as for Ctrl-C. SIGKILL skips all that: the tether covers it. No-op off the main thread."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def free_port() -> int:
@@ -48,8 +66,10 @@ class ManagedProcess:
 
     def start(self, timeout_s: float) -> None:
         self._log = open(self.log_path, "ab")
-        # A new session makes the server and its children one process group we can stop as one.
-        self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+        # A new session makes the server and its children one process group we can stop as one; the tether
+        # execs the command (same pid) after forking the watcher that stops that group if we die first.
+        tethered = [sys.executable, "-S", str(TETHER), str(os.getpid()), *self.command]
+        self.process = subprocess.Popen(tethered, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         self.pid = self.process.pid
         try:
