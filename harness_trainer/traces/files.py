@@ -11,11 +11,31 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from openenv.core.harness.training import TrainingTrace, TrainingTurn
+from typing import TYPE_CHECKING
+
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from openenv.core.harness.training import TrainingTrace, TrainingTurn
 
 __all__ = ["TrainingTrace", "TrainingTurn", "TraceFileError", "iter_traces", "read_traces", "write_traces",
            "append_trace", "turn_counts"]
+
+
+def __getattr__(name: str):
+    """OpenEnv's schema, loaded on first use: importing `openenv.core` imports its web interface and gradio
+    (≈ 6 s of CPU), which commands that never validate a trace (`view`, `jobs`) should not pay at start-up."""
+    if name in ("TrainingTrace", "TrainingTurn"):
+        from openenv.core.harness import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _schema():
+    from openenv.core.harness.training import TrainingTrace
+
+    return TrainingTrace
 
 
 def turn_counts(turns: list[dict]) -> dict:
@@ -37,7 +57,7 @@ def iter_traces(path: str | Path) -> Iterator[TrainingTrace]:
             if not line.strip():
                 continue
             try:
-                yield TrainingTrace.model_validate_json(line)
+                yield _schema().model_validate_json(line)
             except ValidationError as exc:
                 raise TraceFileError(
                     f"{path}:{lineno} is not a valid OpenEnv TrainingTrace (schema v1): "
@@ -51,7 +71,7 @@ def read_traces(path: str | Path) -> list[TrainingTrace]:
 
 def _line(trace: TrainingTrace) -> str:
     # Validate on the way out too: a model built with model_construct() could carry anything.
-    return json.dumps(TrainingTrace.model_validate(trace.model_dump()).model_dump(mode="json"),
+    return json.dumps(_schema().model_validate(trace.model_dump()).model_dump(mode="json"),
                       separators=(",", ":")) + "\n"
 
 
