@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Each runs the idempotent set-up first.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow test-reliability demo engine-demo bench docs clean
+.PHONY: setup test test-slow test-reliability test-all demo engine-demo bench docs clean
 
 setup:
 	@HARBOR=$(HARBOR) bash scripts/setup.sh
@@ -16,6 +16,10 @@ test-slow: setup
 test-reliability: setup
 	$(PY) -m pytest tests/reliability -m 'reliability or not slow'
 	$(PY) bench/reliability.py --fuzz 10000 --load-minutes 10 --sessions 256
+
+# Every tier, each test once (default, slow, reliability, the reliability bench), with each tier's time at the end.
+test-all: setup
+	@bash scripts/test_all.sh
 
 # The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~27 min).
 demo: setup

@@ -65,22 +65,35 @@ def fresh_engine(engine, proxy, tiny_model_dir):
     proxy.client.set_policy_version(0)
 
 
-@pytest.fixture(scope="session")
-def smoke_run(engine, tmp_path_factory):
-    """The 2-step smoke run of `harness-train` (mini-swe-agent, the embedded default, an engine of its own), once
-    per session: its test checks what it leaves behind, the viewer's tests browse its folder."""
+SMOKE_FLAGS = ["--harness", "mini-swe-agent", "--dataset", "builtin:toy-train", "--max-steps", "2",
+               "--num-generations", "2", "--max-concurrent-rollouts", "2", "--agent-step-limit", "2",
+               "--max-completion-tokens", "48", "--learning-rate", "1e-3", "--report-to", "trackio"]
+
+
+def run_smoke(root, *flags: str):
+    """`harness-train` (the console script's module, in a subprocess) on the 2-step smoke configuration."""
     import subprocess
     import sys
 
-    root = tmp_path_factory.mktemp("smoke")
     out = root / "run"
-    result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli",
-        "--harness", "mini-swe-agent", "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",
-        "--max-concurrent-rollouts", "2", "--agent-step-limit", "2", "--max-completion-tokens", "48",
-        "--learning-rate", "1e-3", "--report-to", "trackio", "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, TRACKIO_DIR=str(root / "trackio")))
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", *SMOKE_FLAGS, *flags,
+                             "--output-dir", str(out)], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, TRACKIO_DIR=str(root / "trackio")))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def smoke_run(engine, tiny_model_dir, tmp_path_factory):
+    """The 2-step smoke run of `harness-train` (mini-swe-agent, the embedded default), once per session, on the
+    session's engine (it syncs its weights there: given back after); its test checks what it leaves behind, the
+    viewer's tests browse its folder. The same run with an engine of its own is in the slow tier."""
+    from harness_trainer.serving.weight_sync import reload_weights
+
+    try:
+        return run_smoke(tmp_path_factory.mktemp("smoke"), "--vllm-url", engine.url)
+    finally:
+        reload_weights(engine, tiny_model_dir, version=0)
 
 
 def pytest_terminal_summary(terminalreporter):

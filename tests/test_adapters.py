@@ -229,7 +229,8 @@ class UpstreamClient(ProxyClient):
         return super().create_session(upstream=self.upstream, model="tiny", **settings)
 
 
-@pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), ("codex", None)], ids=["claude-code", "codex"])
+@pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), pytest.param("codex", None, marks=pytest.mark.slow)],
+                         ids=["claude-code", "codex"])  # codex retries its API with back-off: 35 s, slow tier
 def test_claude_code_and_codex_failures_end_unscorable_with_the_reason(proxy, tmp_path, harness, mode):
     """No server (nothing listens at the agent's base URL) and HTTP 500 from the engine: each rollout ends
     unscorable, with the agent's own words, well inside the agent timeout (codex alone would reconnect forever)."""

@@ -89,6 +89,7 @@ RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the two-rank step itself is checked in the default tier, above
 def test_async_run_with_two_ranks(engine, proxy, tiny_model_dir, tmp_path):
     from harness_trainer.serving.weight_sync import reload_weights
 

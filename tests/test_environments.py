@@ -261,15 +261,17 @@ def test_two_training_steps_log_each_reward_term(fresh_engine, tiny_model_dir, t
     assert (tmp_path / "run" / "traces.jsonl").exists() and trainer.own_proxy.managed.process is None  # stopped
 
 
-def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path):
+def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path, capsys):
+    """train, view and eval of a white-box environment, driven through the CLI's main in this process (the console
+    script itself is exercised in tests/test_cli.py and test_train_cli.py)."""
+    from harness_trainer.commands.cli import main
+
     prefix = "harness_trainer.examples.multi_env:"
     common = ["--environment", prefix + "MultiEnv", "--reward-funcs", f"{prefix}wordle_reward,{prefix}echo_reward",
               "--dataset", str(EXAMPLES / "multi_env.jsonl"), "--vllm-url", fresh_engine.url]
-    train = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", *common, "--max-steps", "2",
-                            "--num-generations", "2", "--max-concurrent-rollouts", "2", "--max-completion-tokens",
-                            "16", "--report-to", "none", "--output-dir", str(tmp_path / "train")],
-                           capture_output=True, text=True, timeout=600)
-    assert train.returncode == 0, train.stderr[-3000:]
+    assert main([*common, "--max-steps", "2", "--num-generations", "2", "--max-concurrent-rollouts", "2",
+                 "--max-completion-tokens", "16", "--report-to", "none", "--output-dir", str(tmp_path / "train")]) == 0, \
+        capsys.readouterr().err[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(any(k.startswith("rewards/") for k in m) for m in metrics)
     from harness_trainer.commands.viewer.runs import Decoder, RunFolder  # the viewer reads a white-box run as any other
@@ -278,19 +280,16 @@ def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path):
     shown = folder.rollout(0)
     assert shown["record"]["reward_terms"].keys() == {"wordle_reward", "echo_reward"} and shown["turns"]
     assert shown["calls"] and all(c["turn"] is not None for c in shown["calls"] if c["role"] == "agent")
-    view = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "view", str(tmp_path / "train"), "--html",
-                           str(tmp_path / "page")], capture_output=True, text=True, timeout=300)
-    assert view.returncode == 0 and (tmp_path / "page" / "index.html").exists(), view.stderr[-2000:]
-    evaluated = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "eval", *common, "--num-generations", "2", "--limit",
-                                "2", "--max-completion-tokens", "16", "--output-dir", str(tmp_path / "eval")],
-                               capture_output=True, text=True, timeout=600)
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert main(["view", str(tmp_path / "train"), "--html", str(tmp_path / "page")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "page" / "index.html").exists()
+    assert main(["eval", *common, "--num-generations", "2", "--limit", "2", "--max-completion-tokens", "16",
+                 "--output-dir", str(tmp_path / "eval")]) == 0, capsys.readouterr().err[-3000:]
     records = [json.loads(line) for line in (tmp_path / "eval" / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 4 and {r["task"] for r in records} == {"row-0", "row-1"}
-    bad = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "--environment", prefix + "Nope",
-                          "--reward-funcs", prefix + "echo_reward", "--dataset", str(EXAMPLES / "multi_env.jsonl")],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "cannot import Nope from harness_trainer.examples.multi_env" in bad.stderr
+    capsys.readouterr()
+    assert main(["--environment", prefix + "Nope", "--reward-funcs", prefix + "echo_reward",
+                 "--dataset", str(EXAMPLES / "multi_env.jsonl")]) == 1
+    assert "cannot import Nope from harness_trainer.examples.multi_env" in capsys.readouterr().err
 
 
 # ---- learning ---------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def test_lora_async_steps_with_mini_swe_agent(fresh_engine, proxy, tiny_model_di
     assert float((served.double() - ours).abs().max()) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, proxy, tiny_model_dir, tmp_path):
     """A stream sampled from policy-v1 while v2 is loaded and published: it stays v1 (and v1 is not unloaded
     while it runs); the next call is v2; the agent sees its own model name throughout."""

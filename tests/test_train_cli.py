@@ -1,5 +1,5 @@
-"""`harness-train` end to end: the 2-step smoke run on the embedded default with mini-swe-agent (engine
-launched by the command), Ctrl-C cleanup, config-file + flag precedence, and the clear errors — each of which
+"""`harness-train` end to end: the 2-step smoke run on the embedded default with mini-swe-agent (on the
+session's engine; launching its own in the slow tier), Ctrl-C cleanup, config-file + flag precedence, and the clear errors — each of which
 must leave nothing running. `sft` on captured traces, on the exact ids."""
 
 from __future__ import annotations
@@ -58,6 +58,19 @@ def test_two_step_smoke_run_leaves_a_servable_checkpoint_and_nothing_running(smo
         assert torch.allclose(served, ours.detach(), atol=1e-3)
     finally:
         reload_weights(engine, tiny_model_dir, version=0)
+
+
+@pytest.mark.slow
+def test_the_smoke_run_with_an_engine_of_its_own_leaves_nothing_running(tmp_path):
+    """The README's command as a user runs it first: `harness-train` launches vLLM itself (the default tier's smoke
+    run attaches to the session's engine)."""
+    from conftest import run_smoke
+
+    out = run_smoke(tmp_path)
+    assert _leftovers(str(tmp_path)) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["policy_version"] == 3
+    assert (out / "checkpoint-2" / "model.safetensors").exists() and (out / "vllm.log").exists()
 
 
 def test_ctrl_c_stops_everything(engine, tiny_model_dir, tmp_path):

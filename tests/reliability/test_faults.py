@@ -136,6 +136,7 @@ def test_the_proxy_killed_9_mid_rollout_is_restarted_and_loses_no_turn(fresh_eng
             assert captured[r["episode_id"]] == 2, r
 
 
+@pytest.mark.slow  # a second vLLM start (~1 min)
 def test_vllm_killed_mid_stream_is_restarted_and_synced_again(fresh_engine, proxy, tiny_model_dir, tmp_path):
     if fresh_engine.managed is None:
         pytest.skip("the engine is attached (HARNESS_TEST_VLLM_URL): this test restarts the session's own")
