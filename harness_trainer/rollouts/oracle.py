@@ -7,10 +7,16 @@ traces) is exercised without a capable model, and its traces are solver demonstr
 are the real engine's: the prompt is tokenised by vLLM's /tokenize, the answer is rendered in the model's
 tool-call format and tokenised the same way, and each answer token carries the logprob the served model
 gives it (teacher-forced), so traces validate and train like any other.
+
+Teacher forcing is the oracle's cost: vLLM computes prompt logprobs without reading its prefix cache, so every
+call prefills its whole context again — about 33 s for a 30k-token context on 2 CPU cores, where a sampled call
+that reads the cache takes under a second. A group's rollouts ask the same question until their attempts
+differ, so each scored sequence is computed once per weight version (`_score`) and shared.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -62,8 +68,10 @@ class OracleUpstream:
         self.solutions = {t.instruction: solution_steps(t) for t in tasks if t.solution}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(timeout=120)
+        self.http = httpx.Client(timeout=600)  # one scoring call of a 30k-token context takes ~30 s on 2 CPU cores
         self._server = None
+        self._scores: dict[tuple[str | None, bytes], list[float]] = {}  # (weight version, tokens) -> logprobs
+        self._scoring: dict[tuple[str | None, bytes], threading.Lock] = {}
 
     # ---- what to say --------------------------------------------------------------------------------------
 
@@ -130,10 +138,7 @@ class OracleUpstream:
         message = self.answer(body)
         ids = self.http.post(f"{self.engine}/tokenize", json={
             "model": self.model, "prompt": self._render(message), "add_special_tokens": False}).json()["tokens"]
-        scored = self.http.post(f"{self.engine}/v1/completions", json={
-            "model": self.model, "prompt": prompt_ids + ids, "max_tokens": 1, "prompt_logprobs": 0}).json()
-        logprobs = [min(0.0, entry[str(tok)]["logprob"])
-                    for tok, entry in zip(ids, scored["choices"][0]["prompt_logprobs"][len(prompt_ids):])]
+        logprobs = self._score(prompt_ids, ids)
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         return {"id": f"chatcmpl-oracle-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model, "prompt_token_ids": prompt_ids,
@@ -142,6 +147,40 @@ class OracleUpstream:
                                                       for t, lp in zip(ids, logprobs)]}}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)}}
+
+    def _weight_version(self) -> str | None:
+        try:
+            return self.http.get(f"{self.engine}/weight_info", timeout=10).json().get("weight_version")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _score(self, prompt_ids: list[int], ids: list[int]) -> list[float]:
+        """The served model's logprob of each answer token after the prompt: computed once per (weights, tokens);
+        concurrent rollouts asking the same wait for the first. A result scored while the weights changed
+        (the version differs before and after) is used once and not kept."""
+        tokens = prompt_ids + ids
+        version = self._weight_version()
+        key = (version, hashlib.sha256(json.dumps(tokens).encode()).digest())
+        with self._lock:
+            lock = self._scoring.setdefault(key, threading.Lock())
+        with lock:
+            if key in self._scores:
+                return self._scores[key]
+            scored = self.http.post(f"{self.engine}/v1/completions", json={
+                "model": self.model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0}).json()
+            logprobs = [min(0.0, entry[str(tok)]["logprob"])
+                        for tok, entry in zip(ids, scored["choices"][0]["prompt_logprobs"][len(prompt_ids):])]
+            if self._weight_version() == version:
+                with self._lock:
+                    if len(self._scores) >= 4096:  # bounded: the oldest half goes (answers are short lists)
+                        for old in list(self._scores)[:2048]:
+                            self._scores.pop(old)
+                            self._scoring.pop(old, None)
+                    self._scores[key] = logprobs
+            else:
+                with self._lock:
+                    self._scoring.pop(key, None)
+        return logprobs
 
     def stream(self, answer: dict):
         """The same answer as SSE chunks (one for the text, one per tool call, then the finish)."""
