@@ -236,3 +236,13 @@ def test_npm_agents_train_two_steps_on_the_toy_set(tmp_path, harness):
     assert summary["steps"] == 2 and len(records) == 4
     assert len((out / "traces.jsonl").read_text().splitlines()) >= 1  # the agent's turns were captured, trainable
     assert _leftovers(str(tmp_path)) == []
+
+
+def test_the_schedules_train_accepts_are_transformers_own():
+    """train checks --lr-scheduler-type against a list written out (importing transformers' enum costs seconds of
+    torch import in `jobs launch`); the list must be the enum's values."""
+    from transformers import SchedulerType
+
+    from harness_trainer.commands.train import LR_SCHEDULES
+
+    assert LR_SCHEDULES == tuple(t.value for t in SchedulerType)

@@ -56,6 +56,13 @@ def parse_train_args(argv: list[str]) -> TrainRunConfig:
     return train_config(parser.parse_args(argv))
 
 
+# transformers.SchedulerType's values, written out: importing it imports torch and peft (5-10 s), and a job
+# launcher checks a run's flags before it submits (tests/test_train_cli.py keeps the two lists equal)
+LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                "warmup_stable_decay", "greedy")
+
+
 def resolve_config(values: dict) -> TrainRunConfig:
     """The run's config from flag and file values (commands/flags.py: config_values), checked."""
     cfg = TrainRunConfig(**values)
@@ -63,11 +70,8 @@ def resolve_config(values: dict) -> TrainRunConfig:
         raise ConfigError(f"--report-to {cfg.report_to}: choose trackio, wandb or none")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio!r}")
-    from transformers import SchedulerType
-
-    schedules = [t.value for t in SchedulerType]
-    if cfg.lr_scheduler_type not in schedules:
-        raise ConfigError(f"--lr-scheduler-type {cfg.lr_scheduler_type}: choose one of {', '.join(schedules)}")
+    if cfg.lr_scheduler_type not in LR_SCHEDULES:
+        raise ConfigError(f"--lr-scheduler-type {cfg.lr_scheduler_type}: choose one of {', '.join(LR_SCHEDULES)}")
     if cfg.lr_scheduler_type == "constant" and cfg.warmup_ratio:
         raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
                           "constant_with_warmup (or linear, cosine)")
