@@ -185,6 +185,7 @@ def test_longest_prefix_parents_equal_the_all_pairs_search():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the eval ≈ 12 min (26 teacher-forced scorings of 11k-30k tokens), then the 8 × 30k step
 def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir, tmp_path):
     """opencode, unmodified, driven by the oracle through the 26 turns of builtin:logs (24 files read one per
     turn): G = 8 real captures past 30k tokens each, trained one step on CPU by the trainer's own step."""
@@ -194,7 +195,8 @@ def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir
 
     summary, records = evaluate(EvalConfig(
         harness="opencode", dataset="builtin:logs", policy="oracle", num_generations=8, max_concurrent_rollouts=8, vllm_url=engine.url,
-        max_completion_tokens=256, oracle_mistake_rate=0.5, output_dir=str(tmp_path / "eval")))
+        max_completion_tokens=256, oracle_mistake_rate=0.5, agent_step_limit=32,  # 26 calls: past eval's default 6
+        output_dir=str(tmp_path / "eval")))
     assert len(records) == 8 and 0 < summary.wins < 8, summary  # half slip: the group has a gradient
     per_turn = 0  # tokens one row per turn would feed (TRL's scheme)
     for record in records:
