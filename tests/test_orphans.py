@@ -106,6 +106,6 @@ def test_proof_with_both_servers_up(sig, tiny_model_dir, tmp_path):
     agents in their sandboxes."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "harness_trainer.commands.proof", "--output-dir", str(out)]
-    trials = out / "base"
+    base_eval = out / "eval-base"  # the proof's first stage: rollouts of the base model (commands/proof.py)
     _stop_and_check(command, "", sig, tmp_path, timeout_s=600,
-                    ready=lambda: any(trials.glob("**/trials/*/*")) if trials.exists() else False)
+                    ready=lambda: base_eval.exists() and any(base_eval.glob("**/trials/*")))
