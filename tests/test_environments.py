@@ -352,5 +352,8 @@ def test_reward_from_a_tool_argument_rises(tmp_path):
             max_tool_calling_iterations=1, save_steps=100),
             train_dataset=rows, environment_factory=Dial, reward_funcs=[reward_high_digit]).train()
     rewards = [h.get("rewards/reward_high_digit/mean") or 0.0 for h in history]
-    early, late = sum(rewards[:4]) / 4, sum(rewards[-8:]) / 8
-    assert early < 0.65 and late > early + 0.2, rewards  # about half the digits are high at the start
+    # The SFT model dials every digit equally often: half its digits are high (the first step's 16 samples, drawn
+    # before any update, say ≈ 0.5). Learning by a margin: the last 8 steps (128 samples, σ ≈ 0.04) well above
+    # half. Not a window the trainer could beat by learning early (a run measured 0.38 → 0.73 failed one).
+    late = sum(rewards[-8:]) / 8
+    assert rewards[0] < 0.75 and late > 0.5 + 0.15, rewards
