@@ -75,12 +75,32 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
                        mean_reward=sum(scored) / len(scored) if scored else None)
 
 
-def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
-    from harness_trainer.models.tiny import ensure_tiny_model
+def _collect(futures, cfg, environment, reward_funcs, by_name, groups, records, out, progress, total) -> None:
+    """Each finished rollout written as it comes (a white-box environment's once its task's group is in)."""
     from harness_trainer.rollouts.records import write_record
     from harness_trainer.rollouts.rewards import score_group
+
+    for future in as_completed(futures):
+        record = future.result()
+        done = [record]
+        if environment is not None:  # scored once a task's n rollouts are in, as a training group is
+            done = groups.setdefault(record.task, [])
+            done.append(record)
+            if len(done) < cfg.num_generations:
+                continue
+            score_group(done, reward_funcs, None, by_name[record.task].row)
+        for finished in done:
+            finished.environment = None
+            records.append(finished)
+            write_record(out, finished)
+            if progress:
+                progress(finished, len(records), total)
+
+
+def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
+    from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.rollouts.services import run_services
-    from harness_trainer.rollouts.session import CaptureContractError, run_rollout
+    from harness_trainer.rollouts.session import run_rollout
     from harness_trainer.rollouts.tasks import load_dataset
     from harness_trainer.serving.engine import check_model_dir
 
@@ -111,28 +131,17 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         factory = services.sessions({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
         jobs = [(task, f"{task.name}-{i}") for task in tasks for i in range(cfg.num_generations)]
         by_name, groups = {task.name: task for task in tasks}, {}
+        live = []  # the running rollouts' sessions, to stop if the eval is interrupted
         with ThreadPoolExecutor(cfg.max_concurrent_rollouts) as pool:
-            futures = [pool.submit(run_rollout, factory, task, episode) for task, episode in jobs]
-            for future in as_completed(futures):
-                try:
-                    record = future.result()
-                except CaptureContractError:
-                    for other in futures:
-                        other.cancel()
-                    raise
-                done = [record]
-                if environment is not None:  # scored once a task's n rollouts are in, as a training group is
-                    done = groups.setdefault(record.task, [])
-                    done.append(record)
-                    if len(done) < cfg.num_generations:
-                        continue
-                    score_group(done, reward_funcs, None, by_name[record.task].row)
-                for finished in done:
-                    finished.environment = None
-                    records.append(finished)
-                    write_record(out, finished)
-                    if progress:
-                        progress(finished, len(records), len(jobs))
+            futures = [pool.submit(run_rollout, factory, task, episode, live.append) for task, episode in jobs]
+            try:
+                _collect(futures, cfg, environment, reward_funcs, by_name, groups, records, out, progress, len(jobs))
+            except BaseException:  # Ctrl-C, SIGTERM, a broken capture contract: start nothing more, stop what
+                for future in futures:  # runs (the pool's exit would otherwise wait for every rollout to end)
+                    future.cancel()
+                for session in live:
+                    session.cancel()
+                raise
     summary = summarise(records, len(tasks))
     # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
     model = cfg.model or (None if cfg.vllm_url else str(model_dir))
