@@ -38,11 +38,12 @@ def test_no_session_can_reach_another_and_guessed_or_deleted_keys_get_nothing(pr
     before = {s["id"]: proxy.client.rollout(s["id"]) for s in sessions}
     version = proxy.client.policy_state()["policy_version"]
     attempts = refused = 0
+    client = httpx.Client(timeout=30)  # one kept-alive connection, as an agent's client holds: the keys still differ per request
 
     def attempt(method: str, path: str, key: str | None, header: str = "authorization", **kw) -> None:
         nonlocal attempts, refused
         headers = {} if key is None else {header: f"Bearer {key}" if header == "authorization" else key}
-        answer = httpx.request(method, proxy.url + path, headers=headers, timeout=30, **kw)
+        answer = client.request(method, proxy.url + path, headers=headers, **kw)
         attempts += 1
         refused += answer.status_code in (401, 403, 404)
         assert answer.status_code in (401, 403, 404), (method, path, key, answer.status_code, answer.text)
@@ -76,6 +77,7 @@ def test_no_session_can_reach_another_and_guessed_or_deleted_keys_get_nothing(pr
         assert proxy.client.rollout(session_id) == document, session_id  # unchanged, to the byte
     assert proxy.client.policy_state()["policy_version"] == version
     assert refused == attempts > 500
+    client.close()
     print(f"isolation: {attempts} attempts on {LIVE} live sessions, {refused} refused")
 
 
