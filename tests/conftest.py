@@ -27,16 +27,53 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="session")
-def engine(tiny_model_dir, tmp_path_factory):
-    if url := os.environ.get("HARNESS_TEST_VLLM_URL"):
-        yield VLLMServer.attach(url)
+def _needs_engine(item) -> bool:
+    """Asks for the session's engine: as a fixture, or by name at run time (marked `engine`)."""
+    return "engine" in getattr(item, "fixturenames", ()) or item.get_closest_marker("engine") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests that need no engine run first, while the session's vLLM boots beside them (`_engine_boot`): a
+    cold start takes about a minute on 2 cores and keeps less than one of them busy."""
+    items.sort(key=_needs_engine)  # stable: each group keeps pytest's order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_boot(request, tmp_path_factory):
+    """The session's one vLLM server, started in the background at the first test when any collected test needs it
+    (else when `engine` is first asked for), unless HARNESS_TEST_VLLM_URL names one; stopped at the session's end."""
+    if os.environ.get("HARNESS_TEST_VLLM_URL"):
+        yield None
         return
-    # LoRA on (adapters up to rank 8, tests/test_lora.py): base-model calls and full-weight reloads are unchanged
-    cfg = EngineConfig(model=str(tiny_model_dir), served_model_name="tiny", max_model_len=32768,
-                       log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=8, max_loras=4)
-    with VLLMServer(cfg) as server:
-        yield server
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    servers: list[VLLMServer] = []
+    booting: list[Future] = []
+
+    def boot() -> Future:
+        if not booting:
+            # LoRA on (adapters up to rank 8, tests/test_lora.py): base-model calls and full-weight reloads are
+            # unchanged by it
+            servers.append(VLLMServer(EngineConfig(
+                model=str(ensure_tiny_model()), served_model_name="tiny", max_model_len=32768,
+                log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=8, max_loras=4)))
+            booting.append(pool.submit(servers[0].start))
+        return booting[0]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="vllm-boot") as pool:
+        if any(map(_needs_engine, request.session.items)):
+            boot()
+        yield boot
+    for server in servers:  # the pool's exit waited for a boot still running to end, up or failed
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(_engine_boot):
+    if url := os.environ.get("HARNESS_TEST_VLLM_URL"):
+        return VLLMServer.attach(url)
+    return _engine_boot().result()
 
 
 @pytest.fixture(scope="session")

@@ -81,8 +81,10 @@ def _stop_and_check(command: list[str], needle: str, sig: signal.Signals, tmp_pa
 
 SLOW = pytest.mark.slow
 # the proof (vLLM first) both ways and train attached (the proxy first) killed in the default tier; the rest slow
-CASES = [("proof", signal.SIGTERM), ("proof", signal.SIGKILL), ("train --vllm-url", signal.SIGKILL),
-         pytest.param("train --vllm-url", signal.SIGTERM, marks=SLOW)] + \
+ATTACHED = pytest.mark.engine  # the session's engine, asked for at run time
+CASES = [("proof", signal.SIGTERM), ("proof", signal.SIGKILL),
+         pytest.param("train --vllm-url", signal.SIGKILL, marks=ATTACHED),
+         pytest.param("train --vllm-url", signal.SIGTERM, marks=[SLOW, ATTACHED])] + \
         [pytest.param(name, sig, marks=SLOW) for name in ("train", "eval", "serve", "engine-demo")
          for sig in (signal.SIGTERM, signal.SIGKILL)]
 
