@@ -1,8 +1,8 @@
 """One tiny model and one real vLLM server for the whole test session.
 
-Set HARNESS_TEST_VLLM_URL to attach to a server you already run (it must serve the tiny model as 'tiny', with
-LoRA on: EngineConfig(lora_rank=8, max_loras=4)),
-which saves the minute vLLM takes to start on 2 cores.
+The server boots in the background while the tests that need no engine run first. Set HARNESS_TEST_VLLM_URL to
+attach to a server you already run instead (it must serve the tiny model as 'tiny', with LoRA on:
+EngineConfig(lora_rank=8, max_loras=4)).
 """
 
 from __future__ import annotations
