@@ -65,7 +65,9 @@ def _engine_boot(request, tmp_path_factory):
         if any(map(_needs_engine, request.session.items)):
             boot()
         yield boot
-    for server in servers:  # the pool's exit waited for a boot still running to end, up or failed
+        for server in servers:  # a boot still running (a session stopped early) fails at once
+            server.stop()
+    for server in servers:  # and one the stop came too early for, once the pool has waited for it
         server.stop()
 
 
