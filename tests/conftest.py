@@ -42,40 +42,29 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session", autouse=True)
 def _engine_boot(request, tmp_path_factory):
     """The session's one vLLM server, started in the background at the first test when any collected test needs it
-    (else when `engine` is first asked for), unless HARNESS_TEST_VLLM_URL names one; stopped at the session's end."""
-    if os.environ.get("HARNESS_TEST_VLLM_URL"):
+    and HARNESS_TEST_VLLM_URL names none; stopped at the session's end."""
+    if os.environ.get("HARNESS_TEST_VLLM_URL") or not any(map(_needs_engine, request.session.items)):
         yield None
         return
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
-    servers: list[VLLMServer] = []
-    booting: list[Future] = []
-
-    def boot() -> Future:
-        if not booting:
-            # LoRA on (adapters up to rank 8, tests/test_lora.py): base-model calls and full-weight reloads are
-            # unchanged by it
-            servers.append(VLLMServer(EngineConfig(
-                model=str(ensure_tiny_model()), served_model_name="tiny", max_model_len=32768,
-                log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=8, max_loras=4)))
-            booting.append(pool.submit(servers[0].start))
-        return booting[0]
-
+    # LoRA on (adapters up to rank 8, tests/test_lora.py): base-model calls and full-weight reloads are unchanged
+    server = VLLMServer(EngineConfig(model=str(ensure_tiny_model()), served_model_name="tiny", max_model_len=32768,
+                                     log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=8,
+                                     max_loras=4))
     with ThreadPoolExecutor(1, thread_name_prefix="vllm-boot") as pool:
-        if any(map(_needs_engine, request.session.items)):
-            boot()
-        yield boot
-        for server in servers:  # a boot still running (a session stopped early) fails at once
-            server.stop()
-    for server in servers:  # and one the stop came too early for, once the pool has waited for it
-        server.stop()
+        yield pool.submit(server.start)
+        server.stop()  # a boot still running (a session stopped early) fails at once
+    server.stop()  # and one the stop came too early for, once the pool has waited for it
 
 
 @pytest.fixture(scope="session")
 def engine(_engine_boot):
     if url := os.environ.get("HARNESS_TEST_VLLM_URL"):
         return VLLMServer.attach(url)
-    return _engine_boot().result()
+    if _engine_boot is None:
+        pytest.fail("this test asks for the engine at run time: mark it @pytest.mark.engine so it boots one")
+    return _engine_boot.result()
 
 
 @pytest.fixture(scope="session")

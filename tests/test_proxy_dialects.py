@@ -208,17 +208,17 @@ def test_a_stream_the_engine_breaks_ends_in_the_dialects_error_event(engine, tmp
     CutStreamUpstream.engine_url, CutStreamUpstream.mode = engine.url, mode
     stub = ThreadingHTTPServer(("127.0.0.1", 0), CutStreamUpstream)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
-    asks = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-            "anthropic": ("/v1/messages?beta=true", {"messages": [{"role": "user", "content": "hi"}]}),
+    hi = [{"role": "user", "content": "hi"}]
+    asks = {"chat": ("/v1/chat/completions", {"messages": hi, "max_tokens": 16}),
+            "anthropic": ("/v1/messages?beta=true", {"messages": hi, "max_tokens": 16}),
             # the Responses API's own name for the limit: `max_tokens` there is ignored, and the answer would run to EOS
             "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16})}
     try:
         with ProxyServer(f"http://127.0.0.1:{stub.server_port}", model="tiny", log_path=tmp_path / "p.log") as proxy:
             session = proxy.client.create_session()
             for dialect, (path, body) in asks.items():
-                limit = {} if dialect == "responses" else {"max_tokens": 16}
                 answer = httpx.post(proxy.url + path, headers={"authorization": f"Bearer {session['api_key']}"},
-                                    json={"model": "m", "stream": True, **limit, **body}, timeout=60)
+                                    json={"model": "m", "stream": True, **body}, timeout=60)
                 events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
                 last = events[-1]
                 if dialect == "chat":
