@@ -11,7 +11,9 @@ from harness_trainer.commands.cli import main
 def test_help_lists_commands_with_defaults():
     result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "serve", "--help"],
                             capture_output=True, text=True, check=True)
-    assert "--max-model-len" in result.stdout and "(default: 32768)" in result.stdout
+    text = " ".join(result.stdout.split())
+    assert "--max-model-len" in text and "(default: the model's own)" in text
+    assert "(default: 8000)" in result.stdout and "--tool-call-parser" in result.stdout
 
 
 def test_serve_with_missing_model_is_a_clear_error(tmp_path, capsys):

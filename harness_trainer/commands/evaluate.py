@@ -98,11 +98,10 @@ def _collect(futures, cfg, environment, reward_funcs, by_name, groups, records, 
 
 
 def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
-    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.services import run_services
     from harness_trainer.rollouts.session import run_rollout
     from harness_trainer.rollouts.tasks import load_dataset
-    from harness_trainer.serving.engine import check_model_dir
 
     environment, reward_funcs = None, []
     if cfg.environment:  # white-box: the rows are the tasks, the reward functions the verifier
@@ -123,9 +122,9 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         (out / name).unlink(missing_ok=True)
     if cfg.policy not in ("model", "oracle"):
         raise ValueError(f"unknown --policy '{cfg.policy}': choose model or oracle")
-    model_dir = None if cfg.vllm_url else (check_model_dir(cfg.model) if cfg.model else ensure_tiny_model())
+    model = None if cfg.vllm_url else model_or_default(cfg.model, cfg.model_revision)
     records: list[RolloutRecord] = []
-    with run_services(cfg, out, model_dir=model_dir, environment=environment, rollouts_dir=out,
+    with run_services(cfg, out, model=model, environment=environment, rollouts_dir=out,
                       oracle_tasks=tasks if cfg.policy == "oracle" else None,
                       oracle_mistake_rate=cfg.oracle_mistake_rate) as services:
         factory = services.sessions({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
@@ -144,6 +143,6 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
                 raise
     summary = summarise(records, len(tasks))
     # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
-    model = cfg.model or (None if cfg.vllm_url else str(model_dir))
-    (out / "summary.json").write_text(json.dumps(asdict(summary) | {"model": model}, indent=2) + "\n")
+    named = cfg.model or (str(model.path) if model else None)
+    (out / "summary.json").write_text(json.dumps(asdict(summary) | {"model": named}, indent=2) + "\n")
     return summary, records

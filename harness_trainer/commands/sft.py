@@ -27,7 +27,8 @@ class SFTRunConfig:
     """`harness-train sft`: TRL's SFTConfig names where TRL has one."""
     traces: str = option(None, "a traces.jsonl, or a folder holding traces.jsonl files (e.g. the --output-dir of "
                                "`harness-train eval --policy oracle`)", required=True)
-    model: str | None = option(None, "starting model folder (default: the embedded tiny model)")
+    model: str | None = option(None, "starting model folder or Hub id OWNER/NAME (default: the embedded tiny model)")
+    model_revision: str | None = option(None, "for a Hub id: the branch, tag or commit to use (default: main)")
     output_dir: str = option("runs/sft", "where the run goes; the model lands in OUTPUT_DIR/final")
     num_train_epochs: float = option(3.0, "passes over the traces")
     learning_rate: float = option(1e-3, "peak learning rate")
@@ -93,11 +94,10 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     from trl import SFTConfig, SFTTrainer
 
     from harness_trainer.training.checkpoints import save_model
-    from harness_trainer.serving.engine import check_model_dir
+    from harness_trainer.models.hub import model_or_default
     from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
-    from harness_trainer.models.tiny import ensure_tiny_model
 
-    model_dir = str(check_model_dir(cfg.model)) if cfg.model else str(ensure_tiny_model())
+    model_dir = str(model_or_default(cfg.model, cfg.model_revision).path)
     rows = sft_rows(cfg.traces, cfg.only_rewarded)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -152,22 +152,6 @@ def plot_reward_curve(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def resolve_model(name: str) -> Path:
-    """A local model folder, or a Hub repo id (OWNER/NAME) downloaded into the Hub cache."""
-    from harness_trainer.serving.engine import check_model_dir
-
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") != 1:
-        return check_model_dir(path)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name))
-    except Exception as exc:  # offline, gated, missing: all the same to the user
-        raise ConfigError(f"--model {name}: not a folder here, and the Hub repo could not be fetched ({exc}). "
-                          "Give a local model folder, or check the repo id, HF_TOKEN and network") from None
-
-
 def white_box(cfg) -> tuple | None:
     """For --environment: the class (checked: it builds, has reset, its tools' schemas build) and the rows."""
     if not cfg.environment:
@@ -186,7 +170,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
     from harness_trainer.agents.harnesses import make_harness
     from harness_trainer.agents.sandbox import make_sandbox
-    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
     from harness_trainer.rollouts.services import run_services
     from harness_trainer.rollouts.tasks import load_dataset
@@ -198,7 +182,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     if environment is None:
         make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
     tasks = environment[1] if environment else load_dataset(cfg.dataset)
-    model_dir = resolve_model(cfg.model) if cfg.model else ensure_tiny_model()
+    model = model_or_default(cfg.model, cfg.model_revision)  # a Hub id is downloaded once, into the Hub cache
     if cfg.sandbox != "local" and environment is None:  # raises with what is missing (credentials, daemon, URL)
         make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
     reward_fn, reward_funcs = resolve_rewards(cfg.reward, cfg.reward_funcs)
@@ -221,12 +205,12 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     started = time.time()
     # 2. The servers: engine, then the capture proxy in front of it, supervised (rollouts/services.py).
-    with run_services(cfg, out, model_dir=model_dir, environment=environment and environment[0],
+    with run_services(cfg, out, model=model, environment=environment and environment[0],
                       rollouts_dir=out / "rollouts", supervise=True,
                       lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2) as services:
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume)
-        trainer = HarnessAsyncGRPOTrainer(str(model_dir), services.sessions, args, tasks, rollout_reward_fn=reward_fn,
+        trainer = HarnessAsyncGRPOTrainer(str(model.path), services.sessions, args, tasks, rollout_reward_fn=reward_fn,
                                           callbacks=[*(callbacks or []), reporter], reward_funcs=reward_funcs)
         reporter.start()
         try:

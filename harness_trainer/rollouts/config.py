@@ -25,7 +25,12 @@ class RolloutConfig:
     reward_funcs: str | None = option(None, "comma-separated module:function reward functions f(environments, "
                                             "**kwargs) -> list, summed (None skipped), each logged as its own "
                                             "metric")
-    model: str | None = option(None, "model folder or Hub id (default: the embedded tiny model)")
+    model: str | None = option(None, "model folder or Hub id OWNER/NAME (default: the embedded tiny model)")
+    model_revision: str | None = option(None, "for a Hub id: the branch, tag or commit to use (default: main)")
+    tool_call_parser: str | None = option(None, "vLLM's tool-call parser (default: read from the model's chat "
+                                                "template, models/formats.py)")
+    reasoning_parser: str | None = option(None, "vLLM's reasoning parser, or none (default: read from the model)")
+    max_model_len: int | None = option(None, "context length the engine serves (default: the model's own)")
     vllm_url: str | None = option(None, "attach to a running vLLM instead of launching one for --model")
     engine_port: int = option(0, "port for the launched engine (0: a free one)")
     proxy_port: int = option(0, "port for the capture proxy (0: a free one)")

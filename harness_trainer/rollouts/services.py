@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from harness_trainer.models.hub import ModelRef
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
 from harness_trainer.rollouts.config import RolloutConfig
 from harness_trainer.rollouts.environments import EnvironmentSessionFactory
@@ -48,7 +49,7 @@ def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path 
 
 
 @contextlib.contextmanager
-def run_services(cfg: RolloutConfig, out: Path, *, model_dir: Path | None, environment=None,
+def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, environment=None,
                  rollouts_dir: Path | None = None, oracle_tasks: list | None = None,
                  oracle_mistake_rate: float = 0.0, supervise: bool = False, lora_rank: int = 0,
                  max_loras: int = 4) -> Iterator[Services]:
@@ -60,8 +61,9 @@ def run_services(cfg: RolloutConfig, out: Path, *, model_dir: Path | None, envir
             engine = VLLMServer.attach(cfg.vllm_url)
         else:
             engine = stack.enter_context(VLLMServer(EngineConfig(
-                model=str(model_dir), port=cfg.engine_port, log_path=out / "vllm.log", lora_rank=lora_rank,
-                max_loras=max_loras)))
+                model=str(model.path), served_model_name=model.name, port=cfg.engine_port, log_path=out / "vllm.log",
+                max_model_len=cfg.max_model_len, tool_call_parser=cfg.tool_call_parser,
+                reasoning_parser=cfg.reasoning_parser, lora_rank=lora_rank, max_loras=max_loras)))
         upstream = engine.url
         if oracle_tasks is not None:
             from harness_trainer.rollouts.oracle import OracleUpstream

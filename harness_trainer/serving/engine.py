@@ -17,6 +17,9 @@ from pathlib import Path
 
 import httpx
 
+from harness_trainer.models.formats import ModelFormats, detect_formats, ties_embeddings
+from harness_trainer.models.hub import check_model_dir, served_name
+from harness_trainer.models.untie import untied_copy
 from harness_trainer.serving.process import ManagedProcess, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -43,11 +46,13 @@ def engine_python() -> str:
 
 @dataclass
 class EngineConfig:
-    model: str
-    served_model_name: str = "tiny"
+    model: str  # a model folder (a Hub id is resolved before: models/hub.py)
+    served_model_name: str | None = None  # None: the model's id (models/hub.py served_name)
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
-    max_model_len: int = 32768
+    max_model_len: int | None = None  # None: the model's own (config.json max_position_embeddings)
+    tool_call_parser: str | None = None  # None: from the model's chat template (models/formats.py)
+    reasoning_parser: str | None = None  # None: likewise; "none" turns it off
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu: bool | None = None  # None: detect
     extra_args: list[str] = field(default_factory=list)
@@ -57,18 +62,29 @@ class EngineConfig:
     log_path: Path | None = None
 
 
-def server_command(cfg: EngineConfig, gpu: bool) -> list[str]:
+def model_formats(cfg: EngineConfig) -> ModelFormats:
+    """The tool-call and reasoning parsers for cfg.model: the flags', else read from the model's files."""
+    return detect_formats(Path(cfg.model), cfg.tool_call_parser, cfg.reasoning_parser, named=cfg.served_model_name)
+
+
+def server_command(cfg: EngineConfig, gpu: bool, served_from: Path | None = None) -> list[str]:
+    """vLLM's command line for cfg; `served_from`: the folder it loads (an untied copy of a tied model)."""
+    formats = model_formats(cfg)
+    max_model_len = cfg.max_model_len or formats.max_model_len or 32768
     # `python -m ...api_server`, not the `vllm` script: the script fails under vllm-cpu's distribution name.
     cmd = [
         engine_python(), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(cfg.model), "--served-model-name", cfg.served_model_name,
+        "--model", str(served_from or cfg.model),
+        "--served-model-name", cfg.served_model_name or served_name(Path(cfg.model)),
         "--host", cfg.host, "--port", str(cfg.port),
-        "--max-model-len", str(cfg.max_model_len),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--max-model-len", str(max_model_len),
+        "--enable-auto-tool-choice", "--tool-call-parser", formats.tool_call_parser,
         "--logprobs-mode", "processed_logprobs",  # the logprobs of what was sampled = the behaviour policy
         "--return-tokens-as-token-ids",  # token strings become "token_id:N": no decoding ambiguity
         "--generation-config", "vllm",  # sampling defaults come from requests, not the model's files
     ]
+    if formats.reasoning_parser:  # sampled reasoning comes back as `reasoning`, apart from the answer's text
+        cmd += ["--reasoning-parser", formats.reasoning_parser]
     if gpu:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     else:
@@ -95,19 +111,6 @@ def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
 
         env.update(ENGINE_ENV)
     return env
-
-
-def check_model_dir(model: str | Path) -> Path:
-    path = Path(model)
-    if not path.is_dir():
-        raise EngineError(
-            f"model directory {path} does not exist. Pass a Hugging Face model folder (config.json, weights, "
-            "tokenizer), or build the embedded default with `harness-train model tiny --output-dir DIR`.")
-    if not (path / "config.json").is_file():
-        raise EngineError(
-            f"{path} has no config.json, so it is not a Hugging Face model folder. Point --model at the folder "
-            "that holds config.json, the *.safetensors weights and the tokenizer files.")
-    return path
 
 
 class VLLMServer:
@@ -139,13 +142,16 @@ class VLLMServer:
     @property
     def model_name(self) -> str:
         if self.cfg:
-            return self.cfg.served_model_name
+            return self.cfg.served_model_name or served_name(Path(self.cfg.model))
         return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def start(self) -> VLLMServer:
         cfg = self.cfg
         assert cfg is not None, "an attached server is not started here"
-        check_model_dir(cfg.model)
+        check_model_dir(Path(cfg.model))
+        self.served_from = Path(cfg.model)
+        if ties_embeddings(self.served_from):  # a tied lm_head goes stale on an in-place reload: models/untie.py
+            self.served_from = untied_copy(self.served_from)
         gpu = gpu_available() if cfg.gpu is None else cfg.gpu
         if cfg.port == 0:
             cfg.port = free_port()
@@ -154,7 +160,7 @@ class VLLMServer:
             cfg.log_path = Path(self._tmp) / "vllm.log"
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.managed = ManagedProcess(
-            "vLLM", server_command(cfg, gpu), env=server_env(cfg, Path(self._tmp) / "cache"),
+            "vLLM", server_command(cfg, gpu, self.served_from), env=server_env(cfg, Path(self._tmp) / "cache"),
             log_path=Path(cfg.log_path), health_url=f"{self.url}/health", error=EngineError,
             start_hint="On 2 CPU cores a cold start takes about a minute; raise the start-up timeout if the log "
                        "shows progress.")

@@ -30,6 +30,8 @@ from typing import Protocol
 
 import httpx
 
+from harness_trainer.models.untie import HEAD_FILE
+
 
 class WeightSyncError(RuntimeError):
     """A weight-sync step failed or timed out; the message names the step and the server's answer."""
@@ -64,9 +66,15 @@ def ram_dir(prefix: str = "harness-weights-") -> Path:
 
 
 def save_weights(model, directory: str | Path) -> Path:
-    """Write a model's weights (+config) as a Hugging Face checkpoint vLLM can reload from."""
+    """Write a model's weights (+config) as a Hugging Face checkpoint vLLM can reload from. A tied lm_head is
+    written as a weight of its own too: the engine serves tied models untied (models/untie.py)."""
     directory = Path(directory)
     model.save_pretrained(directory, safe_serialization=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        from safetensors.torch import save_file
+
+        head = model.get_output_embeddings().weight.detach().contiguous().cpu()
+        save_file({"lm_head.weight": head}, str(directory / HEAD_FILE))
     return directory
 
 

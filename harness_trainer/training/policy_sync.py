@@ -110,6 +110,9 @@ class PolicySync:
         if tolerance is None:  # what "the same weights" can mean at this precision
             tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if gap > tolerance:
+            tied = getattr(self.model.config, "tie_word_embeddings", False) and self.peft is None
+            hint = (" This model ties lm_head to its embedding: the engine must serve it untied (`harness-train "
+                    "serve` and a launched engine do; a plain `vllm serve` does not), or use --use-peft") if tied else ""
             raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
-                                  f"by {gap:.2e} (> {tolerance}): the engine did not take the weights")
+                                  f"by {gap:.2e} (> {tolerance}): the engine did not take the weights.{hint}")
         self.last_probe_gap = gap

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from harness_trainer.commands.viewer.runs import CHUNK, Decoder, RunFolder, ViewerError, find_runs, find_tokenizer
+from harness_trainer.models.hub import resolve_model
 
 STATIC = ("index.html", "app.js", "app.css")
 
@@ -35,7 +36,7 @@ class Viewer:
         paths = find_runs(self.root)
         self.runs: dict[str, RunFolder] = {}
         for n, path in enumerate(paths):
-            tokenizer = find_tokenizer(path, self.root, Path(model) if model else None)
+            tokenizer = find_tokenizer(path, self.root, resolve_model(model).path if model else None)
             self.runs[f"r{n}"] = RunFolder(path, Decoder(tokenizer))
         self._lock = threading.Lock()  # one reader of the index at a time (the server is threaded)
 
