@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from harness_trainer.proxy.translate import (BlockStream, copy_fields, function_tools, message_text, sse,
-                                            tool_arguments)
+from harness_trainer.proxy.translate import (BlockStream, copy_fields, function_tools, message_text, reasoning_of,
+                                            sse, tool_arguments)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: "end_turn"}
 
@@ -68,7 +68,11 @@ class AnthropicDialect:
                           "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}}
                          for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]
                 text = message_text([b for b in blocks if isinstance(b, dict) and b.get("type") == "text"])
-                messages.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
+                thought = "".join(b.get("thinking") or "" for b in blocks
+                                  if isinstance(b, dict) and b.get("type") == "thinking")
+                messages.append({"role": "assistant", "content": text or None,
+                                 **({"tool_calls": calls} if calls else {}),
+                                 **({"reasoning_content": thought} if thought else {})})
                 continue
             text_parts = []
             for b in blocks:
@@ -91,7 +95,9 @@ class AnthropicDialect:
     def from_chat(self, answer: dict, asked: dict) -> dict:
         choice = (answer.get("choices") or [{}])[0]
         message = choice.get("message") or {}
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content = [{"type": "thinking", "thinking": reasoning_of(message), "signature": ""}] \
+            if reasoning_of(message) else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
         for call in message.get("tool_calls") or []:
             fn = call.get("function") or {}
             content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
@@ -135,6 +141,14 @@ class AnthropicStream(BlockStream):
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}})
+
+    def reasoning_start(self) -> bytes:
+        return self._event("content_block_start", index=self.blocks,
+                           content_block={"type": "thinking", "thinking": "", "signature": ""})
+
+    def reasoning(self, delta: str) -> bytes:
+        return self._event("content_block_delta", index=self.blocks,
+                           delta={"type": "thinking_delta", "thinking": delta})
 
     def text_start(self) -> bytes:
         return self._event("content_block_start", index=self.blocks, content_block={"type": "text", "text": ""})

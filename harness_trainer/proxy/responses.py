@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 
-from harness_trainer.proxy.translate import BlockStream, copy_fields, function_tools, message_text, sse
+from harness_trainer.proxy.translate import BlockStream, copy_fields, function_tools, message_text, reasoning_of, sse
 
 
 def _tool_choice(choice):
@@ -35,6 +35,7 @@ class ResponsesDialect:
         if not isinstance(items, list):
             raise ValueError("'input' must be a string or a list of items")
         messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+        thought = ""  # a reasoning item's text, for the assistant turn it opens
         for item in items:
             if not isinstance(item, dict):
                 raise ValueError("each input item must be an object")
@@ -44,20 +45,26 @@ class ResponsesDialect:
                 if role not in ("system", "user", "assistant"):
                     raise ValueError(f"input message role {item.get('role')!r} is not supported")
                 messages.append({"role": role, "content": message_text(item.get("content"))})
+                if role == "assistant" and thought:
+                    messages[-1]["reasoning_content"], thought = thought, ""
             elif kind == "function_call":
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
                 last = messages[-1] if messages else None
-                if last and last["role"] == "assistant":  # consecutive calls belong to one assistant turn
+                if last and last["role"] == "assistant" and not thought:  # consecutive calls: one assistant turn
                     last.setdefault("tool_calls", []).append(call)
                 else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call],
+                                     **({"reasoning_content": thought} if thought else {})})
+                    thought = ""
             elif kind == "function_call_output":
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": output if isinstance(output, str) else message_text(output)})
-            elif kind == "reasoning":
-                continue
+            elif kind == "reasoning":  # kept for the turn it opens: the template decides whether to render it
+                thought += "".join(part.get("text") or "" for part in item.get("content") or []
+                                   if isinstance(part, dict)) or \
+                    "".join(part.get("text") or "" for part in item.get("summary") or [] if isinstance(part, dict))
             else:
                 raise ValueError(f"input item type {kind!r} is not supported")
         chat = {"messages": messages, "stream": bool(body.get("stream"))}
@@ -76,7 +83,8 @@ class ResponsesDialect:
     def from_chat(self, answer: dict, asked: dict) -> dict:
         choice = (answer.get("choices") or [{}])[0]
         message = choice.get("message") or {}
-        output = []
+        thought = reasoning_of(message)
+        output = [_reasoning_item(f"rs_{uuid.uuid4().hex[:24]}", thought)] if thought else []
         if message.get("content"):
             output.append(_message_item(f"msg_{uuid.uuid4().hex[:24]}", message["content"]))
         for call in message.get("tool_calls") or []:
@@ -105,6 +113,11 @@ class ResponsesDialect:
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -138,6 +151,15 @@ class ResponsesStream(BlockStream):
         shell = _response(self.id, self.model, [], None, 0, 0, status="in_progress")
         return self._event("response.created", response=shell) + self._event("response.in_progress", response=shell)
 
+    def reasoning_start(self) -> bytes:
+        self.current = _reasoning_item(f"rs_{uuid.uuid4().hex[:24]}", "", status="in_progress")
+        return self._event("response.output_item.added", output_index=self.blocks, item=dict(self.current, content=[]))
+
+    def reasoning(self, delta: str) -> bytes:
+        self.current["content"][0]["text"] += delta
+        return self._event("response.reasoning_text.delta", item_id=self.current["id"], output_index=self.blocks,
+                           content_index=0, delta=delta)
+
     def text_start(self) -> bytes:
         self.current = _message_item(f"msg_{uuid.uuid4().hex[:24]}", "", status="in_progress")
         return (self._event("response.output_item.added", output_index=self.blocks,
@@ -168,6 +190,9 @@ class ResponsesStream(BlockStream):
                                content_index=0, text=text)
                    + self._event("response.content_part.done", item_id=item["id"], output_index=self.blocks,
                                  content_index=0, part=item["content"][0]))
+        elif item["type"] == "reasoning":
+            out = self._event("response.reasoning_text.done", item_id=item["id"], output_index=self.blocks,
+                              content_index=0, text=item["content"][0]["text"])
         else:
             out = self._event("response.function_call_arguments.done", item_id=item["id"], output_index=self.blocks,
                               arguments=item["arguments"])

@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from harness_trainer.traces.prefixes import longest_prefix_parents
+from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
 from harness_trainer.proxy.capture import SamplingPolicy
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -111,7 +111,7 @@ def rollout_document(session: Session, ids: bool = True) -> dict:
     alone (GET /sessions/{id}/graph): each call's links, role and token counts, without its token ids, request
     and answer, so reading it is linear in the calls, not in every prompt's tokens."""
     parent, role = parents(session.calls), roles(session.calls)
-    calls = []
+    calls, before = [], None  # before: the last agent call so far, for why a later root broke from it
     for c in sorted(session.calls, key=lambda c: c.index):
         # a shallow copy: the lists are only serialised (asdict's deep copy of every prompt cost as much again)
         entry = dict(vars(c)) if ids else {k: v for k, v in vars(c).items() if k not in GRAPH_LEAVES_OUT}
@@ -119,6 +119,11 @@ def rollout_document(session: Session, ids: bool = True) -> dict:
             entry.update(prompt_tokens=len(c.prompt_token_ids), completion_tokens=len(c.completion_token_ids))
         entry.update(node_id=session.node_id(c), role=role[c.index],
                      parent=None if parent[c.index] is None else f"{session.id}:{parent[c.index]}")
+        if role[c.index] == "agent":
+            if parent[c.index] is None and before is not None:
+                entry["root_break"] = root_break(c.prompt_token_ids, before.prompt_token_ids, before.full,
+                                                 bool((before.message or {}).get("reasoning")))
+            before = c
         calls.append(entry)
     roots = [c["node_id"] for c in calls if c["parent"] is None and c["role"] == "agent"]
     return {"session": session.summary(), "calls": calls, "roots": roots}
@@ -154,6 +159,7 @@ def training_trace(session: Session) -> dict:
                          "n_tools": c["n_tools"], "sampling_params": c["sampling_params"],
                          "requested_sampling_params": c["requested_sampling_params"],
                          "policy_version": c["policy_version"], "harness_session_id": c["harness_session_id"],
-                         "parent": c["parent"], "dialect": c["dialect"], "stream": c["stream"]},
+                         "parent": c["parent"], "dialect": c["dialect"], "stream": c["stream"],
+                         **({"root_break": c["root_break"]} if "root_break" in c else {})},
         })
     return {"schema_version": 1, "turns": turns}

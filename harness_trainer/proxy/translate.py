@@ -19,7 +19,7 @@ class BlockStream:
 
     def __init__(self, asked: dict):
         self.asked = asked
-        self.open: tuple[str, int] | None = None  # ("text", -1) or ("tool", chat tool index)
+        self.open: tuple[str, int] | None = None  # ("reasoning", -1), ("text", -1) or ("tool", chat tool index)
         self.blocks = 0  # blocks opened so far
         self.started = False
         self.finish_reason: str | None = None
@@ -39,6 +39,12 @@ class BlockStream:
         for choice in chunk.get("choices") or []:
             self.output_tokens += len(choice.get("token_ids") or [])
             delta = choice.get("delta") or {}
+            if thought := reasoning_of(delta):
+                if self.open != ("reasoning", -1):
+                    out.append(self._close())
+                    self.open = ("reasoning", -1)
+                    out.append(self.reasoning_start())
+                out.append(self.reasoning(thought))
             if delta.get("content"):
                 if self.open != ("text", -1):
                     out.append(self._close())
@@ -72,6 +78,8 @@ class BlockStream:
 
     # rendered by subclasses
     def start(self) -> bytes: raise NotImplementedError
+    def reasoning_start(self) -> bytes: raise NotImplementedError
+    def reasoning(self, delta: str) -> bytes: raise NotImplementedError
     def text_start(self) -> bytes: raise NotImplementedError
     def text(self, delta: str) -> bytes: raise NotImplementedError
     def tool_start(self, call_id: str, name: str) -> bytes: raise NotImplementedError
@@ -79,6 +87,11 @@ class BlockStream:
     def close(self) -> bytes: raise NotImplementedError
     def finish(self) -> bytes: raise NotImplementedError
     def failed(self, message: str) -> bytes: raise NotImplementedError  # the dialect's in-stream error event
+
+
+def reasoning_of(message: dict) -> str:
+    """The reasoning text of a chat message or delta (vLLM >= 0.10 names it `reasoning`)."""
+    return message.get("reasoning") or message.get("reasoning_content") or ""
 
 
 def function_tools(tools: list, schema_key: str) -> list[dict]:

@@ -57,3 +57,24 @@ def longest_prefix_parents(prompts: list[Sequence[int]], fulls: list[Sequence[in
                 break
         parents.append(found)
     return parents
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
+def root_break(prompt: Sequence[int], before_prompt: Sequence[int], before_full: Sequence[int],
+               reasoned: bool) -> dict:
+    """Why a call that is not the first has no parent: where its prompt leaves the call before it.
+
+    Inside that call's sampled tokens, after it reasoned: the chat template dropped the reasoning from the
+    history (Qwen3's does before the last user query), so the model never sees its own sampled tokens again
+    and the two turns cannot share a prefix. Elsewhere inside them: the reply re-rendered otherwise than it
+    was sampled. Before them: the agent rewrote the history (compaction, a sub-agent, a new conversation)."""
+    at = common_prefix(prompt, before_full)
+    if at >= len(before_prompt):
+        reason = "reasoning dropped from the history" if reasoned else "the reply re-rendered otherwise than sampled"
+    else:
+        reason = "history rewritten"
+    return {"at": at, "prompt_tokens": len(before_prompt), "reason": reason}

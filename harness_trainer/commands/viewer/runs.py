@@ -19,7 +19,8 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
-from harness_trainer.traces.prefixes import longest_prefix_parents
+from harness_trainer.models.hub import cached_file
+from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
 from harness_trainer.traces.files import turn_counts
 
 RUN_FILES = ("rollouts.jsonl", "traces.jsonl", "metrics.jsonl")
@@ -61,8 +62,8 @@ def find_tokenizer(run: Path, root: Path, model: Path | None = None) -> Path | N
     candidates += sorted(root.glob("*/final/tokenizer.json")) + sorted(run.parent.glob("*/final/tokenizer.json"))
     for name in ("config.yaml", "summary.json"):
         named = _read_model_name(run / name)
-        if named:
-            candidates.append(Path(named) / "tokenizer.json")
+        if named:  # a folder, or a Hub id already in the Hub cache (the view downloads nothing by itself)
+            candidates.append(cached_file(named, "tokenizer.json") or Path(named) / "tokenizer.json")
     return next((c for c in candidates if c.is_file()), None)
 
 
@@ -210,6 +211,13 @@ class RunFolder:
                           "version": meta.get("policy_version"), "model": meta.get("model"),
                           "finish_reason": choice.get("finish_reason"), "sampled_spans": spans,
                           "start": spans[-2][1] if len(spans) > 1 else 0})
+            if j and parents[j] is None:  # a root after the first turn: where and why its prompt broke away
+                before = turns[j - 1]
+                reasoned = bool(((before.get("response") or {}).get("choices") or [{}])[0].get("message", {})
+                                .get("reasoning"))
+                metas[-1]["root_break"] = meta.get("root_break") or root_break(
+                    t["prompt_token_ids"], before["prompt_token_ids"],
+                    before["prompt_token_ids"] + before["completion_token_ids"], reasoned)
         in_trace = {m["node_id"]: m["j"] for m in metas}
         calls = record.pop("calls", None) or [
             {"node_id": m["node_id"], "index": m["index"], "role": "agent", "policy_version": m["version"],

@@ -188,7 +188,9 @@ function drawTurns(doc, i) {
     const node = el("div", { class: "turn", id: `turn-${t.j}` },
       el("div", { class: "turn-head" }, `turn ${t.j} · call ${t.index} · policy version ${fmt(t.version)} (${fmt(t.model)}) · ` +
         `${t.prompt_tokens} prompt + ${t.completion_tokens} sampled tokens, ${t.trained} trained · finish ${fmt(t.finish_reason)}` +
-        (t.parent != null ? ` · continues turn ${t.parent} (its first ${t.start} tokens)` : " · a root")),
+        (t.parent != null ? ` · continues turn ${t.parent} (its first ${t.start} tokens)` : " · a root") +
+        (t.root_break ? ` (${t.root_break.reason}: its prompt leaves turn ${t.j - 1}'s at token ${t.root_break.at}` +
+          `, ${t.root_break.at >= t.root_break.prompt_tokens ? "inside what it sampled" : "before what it sampled"})` : "")),
       el("div", { class: "tokens", "data-total": total }));
     box.append(node);
     whenShown(node, (target) => loadTurn(target, doc, i));
