@@ -94,6 +94,20 @@ def test_a_template_that_drops_reasoning_starts_a_new_root_and_says_why():
     assert all(t["loss_mask"][len(t["prompt_token_ids"]):] == [1] * len(t["completion_token_ids"]) for t in turns)
 
 
+def test_the_viewer_names_why_a_root_started(tmp_path):
+    from harness_trainer.commands.viewer.runs import Decoder, RunFolder
+
+    think, end = 90, 91
+    calls = [call(0, [1, 5, think], [40, 41, end, 50], reasoning="r"),
+             call(1, [1, 5, think, end, 50, 6, think], [42, end, 51], reasoning="r")]
+    trace = training_trace(Session(id="s", upstream="http://u", model="m", calls=calls))
+    del trace["turns"][1]["metadata"]["root_break"]  # a trace from before the proxy recorded it: worked out again
+    (tmp_path / "traces.jsonl").write_text(json.dumps(trace) + "\n")
+    shown = RunFolder(tmp_path, Decoder(None)).rollout(0)["turns"]
+    assert "root_break" not in shown[0]
+    assert shown[1]["parent"] is None and shown[1]["root_break"]["reason"] == "reasoning dropped from the history"
+
+
 # --- the real thing: the qwen3-shaped tiny model (tied embeddings) in vLLM with its reasoning parser -------------
 
 @pytest.fixture(scope="module")

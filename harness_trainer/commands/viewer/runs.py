@@ -213,8 +213,8 @@ class RunFolder:
                           "start": spans[-2][1] if len(spans) > 1 else 0})
             if j and parents[j] is None:  # a root after the first turn: where and why its prompt broke away
                 before = turns[j - 1]
-                reasoned = bool(((before.get("response") or {}).get("choices") or [{}])[0].get("message", {})
-                                .get("reasoning"))
+                answer = (((before.get("response") or {}).get("choices") or [{}])[0] or {}).get("message") or {}
+                reasoned = bool(answer.get("reasoning"))
                 metas[-1]["root_break"] = meta.get("root_break") or root_break(
                     t["prompt_token_ids"], before["prompt_token_ids"],
                     before["prompt_token_ids"] + before["completion_token_ids"], reasoned)
