@@ -25,6 +25,8 @@ q, k, v, the output and the log-sum-exp. Exact to float rounding against one cau
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -169,10 +171,33 @@ class _TreeAttention(torch.autograd.Function):
                 dkv["context"][0].to(k_ctx.dtype), dkv["context"][1].to(v_ctx.dtype), None, None)
 
 
-def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+# The batch rides to every layer in the forward's keyword arguments (`tree_batch=`), which every architecture
+# passes down to its attention; not as the attention mask, which Llama-family models hand to create_causal_mask,
+# which cannot read it. During a tree forward no mask is built at all (the depths as position ids would otherwise
+# read as packed sequences and cost a dense n x n mask).
+_TREE_FORWARD = contextvars.ContextVar("tree_forward", default=False)
+
+
+@contextlib.contextmanager
+def tree_forward_masks():
+    """Inside: the model's mask builder returns no mask (the tree batch is the mask)."""
+    token = _TREE_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _TREE_FORWARD.reset(token)
+
+
+def _mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _TREE_FORWARD.get() else sdpa_mask(*args, **kwargs)
+
+
+def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tree_batch=None, **kwargs):
     """transformers' attention interface: query [1, H, n, D], key/value [1, Hkv, n, D] (after RoPE);
-    returns [1, n, H, D]. Any other mask (a plain forward of the same model) goes to sdpa."""
-    if not isinstance(attention_mask, TreeBatch):
+    returns [1, n, H, D]. Without a tree batch (a plain forward of the same model) it is sdpa."""
+    if tree_batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -181,7 +206,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
         raise NotImplementedError("tree attention with a sliding window is not built: this model's layers use one")
     if dropout and module.training:
         raise NotImplementedError("tree attention has no attention dropout: set the model's attention_dropout to 0")
-    batch, layer = attention_mask, module.layer_idx
+    batch, layer = tree_batch, module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if batch.kv is not None:
         batch.kv.own(layer, key, value)
@@ -198,11 +223,11 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
 def use_tree_attention(model) -> None:
     """Route the model's attention through tree_attention (a plain forward still runs sdpa)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, tree_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
     model.config._attn_implementation = NAME
     for sub in model.modules():  # nested configs (a wrapped or multi-part model) follow the top one
         config = getattr(sub, "config", None)

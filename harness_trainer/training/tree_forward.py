@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from harness_trainer.training.packing import PackedTree
-from harness_trainer.training.tree_attention import TreeBatch, segments_of, use_tree_attention
+from harness_trainer.training.tree_attention import TreeBatch, segments_of, tree_forward_masks, use_tree_attention
 
 # logits of this many (position, vocabulary) entries at a time: 128 MiB in float32
 CHUNK_ELEMENTS = 1 << 25
@@ -254,10 +254,10 @@ def _hidden(model, tree: PackedTree, r: _Range, kv: _RangeKV | None) -> torch.Te
     """The decoder's last hidden states [n, hidden] for range r; the tree attention's batch rides as the mask."""
     device = next(model.parameters()).device
     batch = TreeBatch(segments_of(tree.parent, r.start, r.stop, r.path), kv)
-    return model.get_decoder()(input_ids=tree.ids[None, r.start:r.stop].to(device),
-                               position_ids=tree.depth[None, r.start:r.stop].to(device),
-                               attention_mask={"full_attention": batch, "sliding_attention": batch},
-                               use_cache=False).last_hidden_state[0]
+    with tree_forward_masks():
+        return model.get_decoder()(input_ids=tree.ids[None, r.start:r.stop].to(device),
+                                   position_ids=tree.depth[None, r.start:r.stop].to(device),
+                                   tree_batch=batch, use_cache=False).last_hidden_state[0]
 
 
 def _outputs(tree: PackedTree, device):
