@@ -171,3 +171,38 @@ def test_a_tied_model_is_served_from_an_untied_copy_that_links_the_weights():
     index = json.loads((copy / "model.safetensors.index.json").read_text())["weight_map"]
     assert index["lm_head.weight"] == "lm_head.safetensors" and index["model.embed_tokens.weight"] == "model.safetensors"
     shutil.rmtree(copy)
+
+
+def test_an_engine_serving_a_tied_model_itself_is_refused_before_any_rollout(tmp_path, capsys):
+    """A vLLM started without harness-train (plain `vllm serve` of a tied model): a stub answers its /health and
+    /v1/models, since starting a real vLLM only to be refused would cost a minute."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from harness_trainer.commands.cli import main
+
+    tied = ensure_tiny_model(TinyModelSpec(arch="qwen3", tie_embeddings=True))
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "tiny", "root": str(tied)}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        code = main(["--environment", "harness_trainer.examples.echo:EchoEnv", "--reward-funcs",
+                     "harness_trainer.examples.echo:reward_func", "--dataset", "harness_trainer/examples/echo.jsonl",
+                     "--model", str(tied), "--vllm-url", f"http://127.0.0.1:{stub.server_port}",
+                     "--report-to", "none", "--output-dir", str(tmp_path / "run")])
+    finally:
+        stub.shutdown()
+    err = capsys.readouterr().err
+    assert code == 1 and "lm_head is tied to its embedding" in err and "harness-train serve" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

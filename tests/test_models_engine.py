@@ -1,6 +1,7 @@
 """Each tiny architecture, tied and untied, through the whole path with the real vLLM: capture (eval of a white-box
 environment through the proxy), SFT on those traces, then two GRPO steps from the SFT model whose every weight
-sync is probed (vLLM's logprobs = the trainer's). One of them is named by a Hub id served by the local stand-in.
+sync is probed (vLLM's logprobs = the trainer's), by reload (every weight) and, for a tied model, by LoRA too.
+The qwen3 runs name the model by a Hub id served by the local stand-in.
 Slow (an engine start per run, ~3 min per architecture): make test-slow."""
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def run(args, env, timeout=900):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, tied", [("qwen2", True), ("qwen3", True), ("llama", False), ("llama", True)],
-                         ids=lambda v: str(v))
-def test_capture_sft_and_grpo_with_the_probe_after_every_sync(tmp_path, arch, tied):
+@pytest.mark.parametrize("arch, tied, sync", [("qwen2", True, "reload"), ("qwen3", True, "reload"),
+                                              ("llama", False, "reload"), ("llama", True, "reload"),
+                                              ("qwen3", True, "lora")], ids=lambda v: str(v))
+def test_capture_sft_and_grpo_with_the_probe_after_every_sync(tmp_path, arch, tied, sync):
     model = ensure_tiny_model(TinyModelSpec(arch=arch, tie_embeddings=tied))
     (tmp_path / "spread.py").write_text(SPREAD)
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {
@@ -55,7 +57,8 @@ def test_capture_sft_and_grpo_with_the_probe_after_every_sync(tmp_path, arch, ti
     assert json.loads((final / "config.json").read_text()).get("tie_word_embeddings", False) == tied
     run(["train", *ECHO, *rewards, "--model", str(final), "--max-steps", "2", "--num-generations", "4",
          "--max-concurrent-rollouts", "4", "--max-completion-tokens", "16", "--learning-rate", "1e-2",
-         "--report-to", "none", "--output-dir", str(tmp_path / "train")], env)
+         "--report-to", "none", "--output-dir", str(tmp_path / "train"),
+         *(["--use-peft", "--lora-rank", "8"] if sync == "lora" else [])], env)
     metrics = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["probe_gap"] < 1e-3 for m in metrics)
     assert sum(m["trained_tokens"] for m in metrics) > 0  # the weights moved: the probe checked a real sync

@@ -152,6 +152,21 @@ def plot_reward_curve(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def check_attached_engine(engine, cfg) -> None:
+    """An engine started without harness-train that serves a tied model: a reload sync could not reach its
+    lm_head (models/untie.py). Its folder is read from /v1/models' `root` when it is on this machine."""
+    import httpx
+
+    from harness_trainer.models.formats import ties_embeddings
+
+    served = httpx.get(f"{engine.url}/v1/models", timeout=10).json().get("data") or [{}]
+    root = Path(str(served[0].get("root") or ""))
+    if not cfg.use_peft and (root / "config.json").is_file() and ties_embeddings(root):
+        raise ConfigError(f"the engine at {cfg.vllm_url} serves {root}, whose lm_head is tied to its embedding: vLLM's "
+                          "in-place reload would leave lm_head on the old weights after the first sync. Start it "
+                          "with `harness-train serve --model ...` (it serves an untied copy), or train with --use-peft")
+
+
 def white_box(cfg) -> tuple | None:
     """For --environment: the class (checked: it builds, has reset, its tools' schemas build) and the rows."""
     if not cfg.environment:
@@ -196,7 +211,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
                           "continue it, or choose a new --output-dir")
     reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
     if cfg.vllm_url:
-        VLLMServer.attach(cfg.vllm_url)  # answers, or a clear error before anything starts
+        check_attached_engine(VLLMServer.attach(cfg.vllm_url), cfg)  # answers, serves what a sync can reach
     else:
         check_port_free(cfg.engine_port, "--engine-port")
     check_port_free(cfg.proxy_port, "--proxy-port")
