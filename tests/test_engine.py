@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from harness_trainer.models.hub import ModelError
 from harness_trainer.serving.engine import EngineConfig, EngineError, VLLMServer, teacher_forced_logprobs
 from harness_trainer.serving.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
 
@@ -154,10 +155,10 @@ def _assert_group_gone(pgid):
 
 
 def test_wrong_model_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(EngineError, match="does not exist"):
+    with pytest.raises(ModelError, match="does not exist"):
         VLLMServer(EngineConfig(model=str(tmp_path / "missing"))).start()
     (tmp_path / "notamodel").mkdir()
-    with pytest.raises(EngineError, match="no config.json"):
+    with pytest.raises(ModelError, match="no config.json"):
         VLLMServer(EngineConfig(model=str(tmp_path / "notamodel"))).start()
 
 
