@@ -167,7 +167,8 @@ def test_broken_model_directory_reports_log_and_leaves_nothing(tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    server = VLLMServer(EngineConfig(model=str(broken), log_path=tmp_path / "vllm.log"))
+    # the parser named: a folder without a chat template is refused before vLLM starts (tests/test_models.py)
+    server = VLLMServer(EngineConfig(model=str(broken), tool_call_parser="hermes", log_path=tmp_path / "vllm.log"))
     with pytest.raises(EngineError, match="exited with code") as info:
         server.start()
     assert "Last lines of its log" in str(info.value)

@@ -18,9 +18,10 @@ from tests.hub_standin import HubStandIn
 
 HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.commands.cli"]
 ECHO = ["--environment", "harness_trainer.examples.echo:EchoEnv", "--dataset", "harness_trainer/examples/echo.jsonl"]
-# A reward that differs between the answers of a group (a random model never calls echo's tool), so GRPO has
-# advantages to follow and every sync moves the weights the probe then checks.
-SPREAD = "def reward_func(completions, **kwargs):\n    return [float(len(str(c)) % 5) for c in completions]\n"
+# A reward that differs between the answers of a group whatever they are (a random model never calls echo's tool,
+# and a reasoning model's answers may all be empty), so GRPO has advantages to follow and every sync moves the
+# weights the probe then checks. Not a task's reward: only something to train on.
+SPREAD = "def reward_func(completions, **kwargs):\n    return [float(i % 2) for i in range(len(completions))]\n"
 
 
 def run(args, env, timeout=900):
