@@ -25,6 +25,7 @@ flavor and its GPU count, the Hub token, and that every secret named is set in t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -121,7 +122,7 @@ class Source:
 
 def parse_source(text: str, root: Path = REPO_ROOT) -> Source:
     if text == "upload":
-        return Source("upload", str(root), digest=hashlib.sha256(source_archive(root)).hexdigest()[:16])
+        return Source("upload", str(root), digest=archive_digest(source_archive(root)))
     if text.startswith("git+"):
         url, _, rev = text[4:].rpartition("@") if "@" in text[4:].split("/")[-1] else (text[4:], "", "")
         return Source("git", url, rev)
@@ -142,6 +143,11 @@ def source_files(root: Path) -> list[str]:
     return sorted(name for name in listed.decode().split("\0") if name and (root / name).is_file())
 
 
+def archive_digest(archive: bytes) -> str:
+    return hashlib.sha256(archive).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=2)  # the spec names it by digest and the upload sends it: packed once
 def source_archive(root: Path) -> bytes:
     """The checkout as one reproducible tar.gz (fixed order, times and owners: equal files, equal digest)."""
     buffer = io.BytesIO()
@@ -297,17 +303,18 @@ def submit(cfg: JobLaunchConfig):
     token = hub_token()
     _check_secrets(spec)
     api = HfApi(token=token)
-    spec = build_job(cfg, owner=cfg.namespace or api.whoami()["name"])
+    owner = cfg.namespace or api.whoami()["name"]
+    spec = build_job(cfg, owner=owner)
     if "source" in spec:  # one private dataset repo per namespace; archives named by content, uploaded once
-        repo = f"{cfg.namespace or api.whoami()['name']}/{SOURCE_REPO}"
-        digest = spec["source"]["upload"].rsplit("/", 1)[-1]
         from huggingface_hub.errors import HfHubHTTPError
 
+        repo, archive = f"{owner}/{SOURCE_REPO}", source_archive(REPO_ROOT)
+        name = f"sources/{archive_digest(archive)}.tar.gz"
         try:
             api.create_repo(repo, repo_type="dataset", private=True, exist_ok=True)
-            if not api.file_exists(repo, f"sources/{digest}", repo_type="dataset"):
-                api.upload_file(path_or_fileobj=source_archive(REPO_ROOT), path_in_repo=f"sources/{digest}",
-                                repo_id=repo, repo_type="dataset", commit_message=f"harness-train job source {digest}")
+            if not api.file_exists(repo, name, repo_type="dataset"):
+                api.upload_file(path_or_fileobj=archive, path_in_repo=name, repo_id=repo, repo_type="dataset",
+                                commit_message=f"harness-train job source {name}")
         except HfHubHTTPError as exc:
             raise JobError(f"uploading the project to the dataset repo {repo} failed ({str(exc).splitlines()[0]}): "
                            "the token needs write access there, or pass --source git+URL[@REV]; no job was "
