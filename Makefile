@@ -21,10 +21,13 @@ test-reliability: setup
 test-all: setup
 	@bash scripts/test_all.sh
 
-# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~27 min).
+# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes
+# (mini-swe-agent; `make demo HARNESS=opencode` through opencode, into runs/demo-opencode).
+HARNESS ?= mini-swe-agent
+DEMO_DIR := runs/demo$(if $(filter mini-swe-agent,$(HARNESS)),,-$(HARNESS))
 demo: setup
-	rm -rf runs/demo
-	$(PY) -m harness_trainer.commands.proof --output-dir runs/demo
+	rm -rf $(DEMO_DIR)
+	$(PY) -m harness_trainer.commands.proof --harness $(HARNESS) --output-dir $(DEMO_DIR)
 
 # The engine half on its own: captured ids/logprobs, a weight reload, vLLM vs transformers (~1 min).
 engine-demo: setup

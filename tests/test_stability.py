@@ -131,13 +131,47 @@ def test_step_kl_bound_halves_a_step_that_moves_the_policy_too_far(tiny_model_di
         assert torch.allclose(value, before[name] + bounded["step_scale"] * full, atol=1e-6), name
 
 
-def test_step_clip_bounds_every_tokens_ratio(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["ratio", "probability"])
+def test_step_clip_bounds_every_token(tiny_model_dir, tmp_path, mode):
     """The per-token bound: a step whose mean KL is fine can still move one token's probability too far."""
     groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
     free = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=None)
     unbounded = free._train_on(groups())
-    clipped = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=0.2)
-    bounded = clipped._train_on(groups())
-    assert bounded["step_ratio_max_unbounded"] > 1.2 or bounded["step_ratio_min_unbounded"] < 0.8
-    assert 0.8 <= bounded["step_ratio_min"] <= bounded["step_ratio_max"] <= 1.2 and bounded["step_scale"] < 1
     assert "step_scale" not in unbounded
+    # the random tiny model's tokens are rare (p ~ 4e-4; this step moves one x3.4, by 1e-3): 2e-4 binds
+    clip = 0.2 if mode == "ratio" else 2e-4
+    clipped = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=clip,
+                       step_clip_mode=mode)
+    bounded = clipped._train_on(groups())
+    assert 0 < bounded["step_scale"] < 1 and not bounded["step_skipped"]
+    if mode == "ratio":
+        assert bounded["step_ratio_max_unbounded"] > 1.2 or bounded["step_ratio_min_unbounded"] < 0.8
+        assert 0.8 <= bounded["step_ratio_min"] <= bounded["step_ratio_max"] <= 1.2
+    else:
+        assert bounded["step_prob_move_unbounded"] > clip >= bounded["step_prob_move"]
+    # the search lands near the bound, not at a power of two far inside it
+    assert bounded["step_measures"] <= 4
+
+
+def test_a_step_outside_the_bound_is_never_applied():
+    """bound_step on a move that stays outside at every scale the search tries: the weights are put back
+    exactly; on a move that is inside only below 1/64 (where halving stopped) the step taken is inside."""
+    from harness_trainer.training.trust_region import bound_step
+
+    before = [torch.randn(5, 3), torch.randn(4)]
+    moved = [b + torch.randn_like(b) for b in before]
+    params = [m.clone() for m in moved]
+    stuck = bound_step(params, before, lambda: {"kl": 1.0}, lambda change: 0.5)
+    assert stuck["step_skipped"] == 1 and stuck["step_scale"] == 0.0
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+    # a move whose size is linear in the scale, 1000x past the bound: halving to 1/64 would accept it outside
+    params = [m.clone() for m in moved]
+    size = lambda: {"move": float(sum((p - b).abs().max() for p, b in zip(params, before)))}  # noqa: E731
+    full = size()["move"]
+    bound = full / 1000
+    taken = bound_step(params, before, size, lambda change: bound / change["move"])
+    assert not taken["step_skipped"] and 0.8 * bound <= taken["step_move"] <= bound
+    assert taken["step_scale"] == pytest.approx(taken["step_move"] / full, rel=1e-4)
+    for p, b, m in zip(params, before, moved):  # still along the step's direction
+        assert torch.allclose(p, b + taken["step_scale"] * (m - b), atol=1e-6)

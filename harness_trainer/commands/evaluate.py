@@ -53,6 +53,8 @@ class EvalSummary:
     timeouts: int
     unscorable: int
     mean_reward: float | None
+    agent_calls: int = 0  # model calls the agent made for its turns (trained)
+    auxiliary_calls: int = 0  # side calls without tools (opencode's title, summaries): captured, never trained
 
     def table(self, title: str) -> str:
         tpw = f"{self.tries_per_win:.2f}" if self.tries_per_win else "-"
@@ -72,7 +74,9 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
                        invalid_tool_calls=sum(r.invalid_tool_calls for r in records),
                        timeouts=sum(1 for r in records if r.outcome.timed_out),
                        unscorable=sum(1 for r in records if r.status == "unscorable"),
-                       mean_reward=sum(scored) / len(scored) if scored else None)
+                       mean_reward=sum(scored) / len(scored) if scored else None,
+                       agent_calls=sum(c.get("role") == "agent" for r in records for c in r.calls),
+                       auxiliary_calls=sum(c.get("role") == "auxiliary" for r in records for c in r.calls))
 
 
 def _collect(futures, cfg, environment, reward_funcs, by_name, groups, records, out, progress, total) -> None:

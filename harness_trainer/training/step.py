@@ -5,8 +5,9 @@
     -> one prefix tree of the step's tokens                          training/packing.py: pack
     -> logprobs of the tree, in micro-batches, memory linear in it   training/tree_forward.py
     -> loss = token mean over every trained token of the step        training/grpo.py: policy_loss
-    -> AdamW step, then the trust region: a step that moves a trained token's probability by more than a
-       factor 1 +- step_clip, or its batch by more than max_step_kl mean KL, is halved   training/trust_region.py
+    -> AdamW step, then the trust region: a step that moves a trained token's probability by more than
+       step_clip, or its batch by more than max_step_kl mean KL, is shortened to the largest scale inside
+       (or not taken)                                                training/trust_region.py
 
 A mixin of the trainer (training/trainer.py): it reads the trainer's args, model, optimizer, rank and step.
 """
@@ -25,7 +26,7 @@ from harness_trainer.training.distributed import all_reduce, all_reduce_gradient
 from harness_trainer.training.grpo import group_advantages, policy_loss
 from harness_trainer.training.packing import chains_from_trace, pack
 from harness_trainer.training.tree_forward import plan_ranges, tree_backward, tree_logprobs
-from harness_trainer.training.trust_region import bound_step
+from harness_trainer.training.trust_region import bound_step, room_in
 
 
 class GRPOStep:
@@ -105,30 +106,28 @@ class GRPOStep:
         if before is not None:  # the trust region for fresh tokens (harness_trainer/training/trust_region.py)
             old = None if logp is None else logp.detach()
             stats |= bound_step(self.params, before, lambda: self._step_change(tree, old),
-                                self._within_trust_region)
+                                lambda change: room_in(change, self.args.step_clip, self.args.max_step_kl,
+                                                       self.args.step_clip_mode))
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total}
 
     def _step_change(self, tree, old: torch.Tensor | None) -> dict:
         """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||
-        after), and the smallest and largest ratio p_after / p_before."""
+        after), the smallest and largest ratio p_after / p_before, and the largest |p_after - p_before|."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        extremes = torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r
+        extremes = torch.full((3,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r; |dp|
         if tree is not None:
             with torch.no_grad():
-                diff = (tree_logprobs(self.model, tree, self.args.temperature,
-                                      max_tokens=self.args.max_tokens_per_microbatch) - old).double()
+                new = tree_logprobs(self.model, tree, self.args.temperature,
+                                    max_tokens=self.args.max_tokens_per_microbatch).double()
+            diff = new - old.double()
             sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
-            extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max()]))
+            extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max(),
+                                                            (new.exp() - old.double().exp()).abs().max()]))
         all_reduce(sums, self.world_size)
         all_reduce(extremes, self.world_size, op="max")
         return {"kl": float(sums[0] / sums[1].clamp(min=1)), "ratio_min": math.exp(-float(extremes[0])),
-                "ratio_max": math.exp(float(extremes[1]))}
-
-    def _within_trust_region(self, change: dict) -> bool:
-        clip, kl = self.args.step_clip, self.args.max_step_kl
-        return (clip is None or 1 - clip <= change["ratio_min"] and change["ratio_max"] <= 1 + clip) \
-            and (kl is None or change["kl"] <= kl)
+                "ratio_max": math.exp(float(extremes[1])), "prob_move": max(float(extremes[2]), 0.0)}
 
 
 def _mean(values: list[float]) -> float | None:
