@@ -37,8 +37,9 @@ from harness_trainer.rollouts.tasks import Task
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 TEMPERATURE, MAX_TOKENS, G = 0.7, 64, 8
-# name -> AsyncGRPOConfig fields (and the pipeline delay); "old" is the proof's recipe before issue 12
-# name -> AsyncGRPOConfig fields; "old" is the trainer and recipe before issue 12 (no trust region that binds)
+# name -> AsyncGRPOConfig fields; "old" is the trainer and recipe before issue 12 (no trust region that binds);
+# "halving" the trust region before issue 29 (ratio bound, the step halved down to 1/64 and taken there even if
+# still outside), "ratio" that bound with today's search, "new" today's defaults (probability bound + search)
 OLD = dict(learning_rate=3e-4, behaviour_clip=False, max_step_kl=None, step_clip=None)
 VARIANTS = {
     "old": OLD,
@@ -49,8 +50,24 @@ VARIANTS = {
     "kl": OLD | dict(max_step_kl=0.01),
     "kl+clip": OLD | dict(max_step_kl=0.01, behaviour_clip=True),
     "new": dict(learning_rate=3e-4),  # the trainer's defaults: step_clip 0.2, max_step_kl 0.01, behaviour_clip
+    "ratio": dict(learning_rate=3e-4, step_clip_mode="ratio"),
+    "halving": dict(learning_rate=3e-4, step_clip_mode="ratio", halving=True),
     "new-gps2": dict(learning_rate=3e-4, groups_per_step=2, warmup_ratio=0.1, lr_scheduler_type="constant_with_warmup"),
 }
+
+
+def halving_bound_step(params, before, measure, room, min_scale=1 / 64):
+    """The step bound before issue 29, for comparison: halve until inside or at 1/64, and take it there."""
+    scale, change = 1.0, measure()
+    first = change
+    while room(change) < 1 and scale > min_scale:
+        scale /= 2
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.sub_(b).mul_(0.5).add_(b)
+        change = measure()
+    return ({"step_scale": scale, "step_skipped": 0, "step_outside": int(room(change) < 1)}
+            | {f"step_{k}": v for k, v in change.items()} | {f"step_{k}_unbounded": v for k, v in first.items()})
 
 
 def load_prompts(folder: Path) -> dict[str, list[int]]:
@@ -141,6 +158,10 @@ def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict
     tok = AutoTokenizer.from_pretrained(model_dir)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     fields = dict(fields)
+    import harness_trainer.training.step as step_module
+    from harness_trainer.training.trust_region import bound_step
+
+    step_module.bound_step = halving_bound_step if fields.pop("halving", False) else bound_step
     with tempfile.TemporaryDirectory() as out:
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), lambda sampling: None, AsyncGRPOConfig(
             output_dir=out, num_generations=G, max_steps=steps, temperature=TEMPERATURE, seed=seed, **fields),
@@ -191,7 +212,11 @@ def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict
                           flush=True)
         win, formed = evaluate(trainer.model, tok, heldout, eval_n, eos, seed + 1000)
     return {"win": win, "formed": formed, "rewards": [h.get("reward_mean") for h in history],
-            "entropy": [h.get("entropy") for h in history]}
+            "entropy": [h.get("entropy") for h in history],
+            "scale": [h.get("step_scale", 1.0) for h in history if "loss" in h],
+            "skipped": sum(h.get("step_skipped", 0) for h in history),
+            "outside": sum(h.get("step_outside", 0) for h in history),
+            "measures": sum(h.get("step_measures", 0) for h in history)}
 
 
 def main(argv=None) -> int:
@@ -227,8 +252,11 @@ def main(argv=None) -> int:
                   f"{r['formed']:.0%}; rewards {rewards}", flush=True)
         gains = [100 * (r["win"] - base_win) for r in results]
         collapsed = sum(r["win"] < base_win - 0.2 or r["formed"] < base_formed - 0.2 for r in results)
+        scales = [x for r in results for x in r["scale"]]
         print(f"{name}: gain mean {statistics.mean(gains):+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f}; "
-              f"collapsed {collapsed}/{len(results)}", flush=True)
+              f"collapsed {collapsed}/{len(results)}; step taken: median {statistics.median(scales):.2f}, "
+              f"skipped {sum(r['skipped'] for r in results)}, taken outside the bound "
+              f"{sum(r['outside'] for r in results)}, of {len(scales)} steps", flush=True)
     return 0
 
 

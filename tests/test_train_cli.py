@@ -179,8 +179,8 @@ def test_live_display_shows_stability_and_warnings():
     assert "before step 9: the engine restarted without the policy" in screen
 
 
-@pytest.mark.parametrize("lora", [[], ["--use-peft", "--lora-rank", "8", "--lora-alpha", "64"]],
-                         ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [[], ["--use-peft", "--lora-rank", "8", "--lora-alpha", "64"], ["--packing", "tree"]],
+                         ids=["full", "lora", "tree"])
 def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
     from transformers import AutoModelForCausalLM
 
@@ -213,6 +213,34 @@ def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
     assert (tmp_path / "sft" / "final" / "tokenizer.json").exists()  # ... into a folder vLLM can serve
     assert (tmp_path / "sft" / "final" / "adapter" / "adapter_config.json").exists() == bool(lora)
     assert main(["sft", "--traces", str(tmp_path / "none")]) == 1
+
+
+def test_tree_sft_has_the_rows_loss_on_fewer_tokens(tiny_model_dir):
+    """The prefix-tree SFT's loss is TRL's completion-only token mean over the batch's rows, while the shared
+    prompt runs once: checked at the first step (learning rate 0, so the model does not move)."""
+    from transformers import AutoModelForCausalLM
+
+    from harness_trainer.training.packing import Chain
+    from harness_trainer.training.sft_tree import train_on_tree
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompt = list(range(10, 210))  # a shared "system prompt" of 200 tokens
+    chains = []
+    for i, completion in enumerate([[300, 301, 2], [302, 2], [303, 304, 305, 2]]):
+        ids = prompt + [60 + i] + completion
+        trained = [False] * (len(ids) - len(completion)) + [True] * len(completion)
+        chains.append(Chain(i, ids, [None if not t else (i, "a", k) for k, t in enumerate(trained)], trained,
+                            [0.0] * len(ids), [-1] * len(ids)))
+    result = train_on_tree(model, chains, epochs=1, learning_rate=0.0, batch_size=3)
+    with torch.no_grad():
+        nll, n = 0.0, 0
+        for c in chains:
+            ids = torch.tensor([c.ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            mask = torch.tensor(c.trained[1:])
+            nll, n = nll - float(logp[mask].sum()), n + int(mask.sum())
+    assert result["losses"][0] == pytest.approx(nll / n, rel=1e-5)
+    assert result["tokens_fed"] == 200 + 3 + 3 + 2 + 4 and result["row_tokens"] == sum(len(c.ids) for c in chains)
 
 
 def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):

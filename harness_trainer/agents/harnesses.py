@@ -119,8 +119,14 @@ class OpenCode:
                 report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
                 if (part.get("state") or {}).get("status") == "error":
                     report.tool_failure_count += 1
+                if name == "invalid":  # opencode's stand-in for a call to no tool or with bad arguments
+                    report.invalid_tool_calls += 1
             elif part.get("type") == "text" and part.get("text"):
                 report.completion.append({"role": "assistant", "content": part["text"]})
+                if "<tool_call>" in part["text"]:  # a call the engine's parser could not read: it stayed text
+                    report.invalid_tool_calls += 1
+            elif part.get("type") == "step-finish" and part.get("reason") == "length":
+                report.invalid_tool_calls += 1  # cut off at the token cap: whatever it was saying is lost
         return report
 
 

@@ -91,7 +91,8 @@ class TrainProgress:
                            ("policy version", self.version), ("last weight sync", sync)):
             table.add_row(f"[bold]{key}[/]", str(value))
         if m := self.stability:
-            taken = f"{m['step_scale']:.0%}" if "step_scale" in m else "all"
+            taken = "none (outside the bound)" if m.get("step_skipped") else \
+                f"{m['step_scale']:.0%}" if "step_scale" in m else "all"
             table.add_row("[bold]stability[/]", f"entropy {m['entropy']:.3f}   KL to behaviour "
                           f"{m['behaviour_kl_k3']:.4f}   step taken {taken}   behaviour clip "
                           f"{m['behaviour_clip_frac']:.1%}   answer {m.get('completion_tokens_mean') or 0:.0f} tokens")

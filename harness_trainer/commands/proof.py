@@ -22,8 +22,9 @@ fixes it on held-out ones. Rollouts and evals sample at temperature 0.7, for all
 
 Through opencode the same tasks meet an ~11k-token system prompt, JSON tool calls and a title call per
 rollout (captured as auxiliary, never trained: the table counts them). Its recipe (RECIPES) differs only where
-the agent does: SFT over far longer rows, so fewer epochs; opencode asks for a final answer after the
-submit command, so one more model call per rollout.
+the agent does: its traces share a 3.4k-token prompt, so SFT packs each batch as one prefix tree (the same
+loss as TRL's rows on a fifth of the tokens); opencode asks for a final answer after the submit command, so
+each rollout makes one more model call.
 
 One engine serves every stage; between stages the weights under evaluation are reloaded into it.
 """
@@ -55,6 +56,7 @@ class Recipe:
     agent_step_limit: int = 3
     max_completion_tokens: int = 64
     sft_epochs: float = 60  # 48 tasks x 2 attempts = 96 traces, 12 steps of 8 an epoch
+    sft_packing: str = "rows"  # rows: TRL's SFTTrainer; tree: the shared system prompt once a batch
     # run_training's fields. lr 3e-4 with the trainer's default trust region (step_clip 0.2 on each trained
     # token's probability, max_step_kl 0.01, behaviour_clip): without it this lr let one step move the policy by
     # a KL of 0.4 and the run collapse.
@@ -65,8 +67,7 @@ class Recipe:
 
 RECIPES = {
     "mini-swe-agent": Recipe("mini-swe-agent", agent_config="compact"),
-    "opencode": Recipe("opencode", agent_step_limit=3, sft_epochs=20,
-                       grpo=dict(num_generations=8, max_concurrent_rollouts=8, learning_rate=3e-4, save_best=True)),
+    "opencode": Recipe("opencode", sft_packing="tree"),
 }
 
 
@@ -145,7 +146,7 @@ def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: fl
     sft = run_sft(SFTRunConfig(traces=str(out / "solver"), model=str(base), output_dir=str(out / "sft"),
                                num_train_epochs=sft_epochs, learning_rate=1e-3 * (LORA_LR_FACTOR if lora_rank else 1),
                                per_device_train_batch_size=8, lr_scheduler_type="constant_with_warmup",
-                               use_peft=bool(lora_rank), lora_rank=lora_rank or 16))
+                               use_peft=bool(lora_rank), lora_rank=lora_rank or 16, packing=recipe.sft_packing))
     timings["c_sft_s"] = time.monotonic() - t
     return Path(sft), rows, timings
 

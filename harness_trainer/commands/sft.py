@@ -2,6 +2,8 @@
 
     traces.jsonl (from `harness-train eval --policy oracle`, or any run) -> chains (training/packing.py, the same exact
     prefix rebuild the RL trainer uses) -> {input_ids, completion_mask} -> SFTTrainer(completion_only_loss)
+    --packing tree: the same loss on each batch's chains packed as one prefix tree (training/sft_tree.py), so a
+    system prompt the traces share runs once a batch instead of once a row
 
 Nothing is re-tokenised: `input_ids` are the engine's prompt + sampled ids, and `completion_mask` is 1 exactly
 on the tokens the trace's loss mask trains (each sampled token once, prompts and tool outputs masked).
@@ -37,6 +39,8 @@ class SFTRunConfig:
     only_rewarded: bool = option(False, "keep only rollouts whose reward was >= 1 (needs rollouts.jsonl next to "
                                         "the traces)")
     seed: int = option(0, "data order and initialisation seed")
+    packing: str = option("rows", "rows (TRL's SFTTrainer, one row per chain) or tree (each batch as one prefix "
+                                  "tree: a system prompt the traces share runs once a batch, e.g. opencode's)")
     use_peft: bool = option(False, "train a LoRA adapter (training/lora.py); final/ is then the merged model, "
                                    "adapter/ beside it")
     lora_rank: int = same_as("lora_rank")
@@ -47,6 +51,8 @@ class SFTRunConfig:
     def __post_init__(self):
         if isinstance(self.lora_target_modules, str):
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+        if self.packing not in ("rows", "tree"):
+            raise SFTError(f"unknown --packing '{self.packing}': choose rows (TRL's SFTTrainer) or tree")
 
 
 def trace_files(where: str | Path) -> list[Path]:
@@ -66,24 +72,28 @@ def _rewarded_episodes(traces_file: Path) -> set[str]:
     return {r["episode_id"] for r in records if (r["outcome"].get("env_reward") or 0) >= 1.0}
 
 
-def sft_rows(where: str | Path, only_rewarded: bool = False) -> list[dict]:
-    """One row per chain: {"input_ids": [...], "completion_mask": [...]}, in the engine's token ids."""
+def sft_chains(where: str | Path, only_rewarded: bool = False) -> list:
+    """Every chain with a trained token, in the engine's token ids (each trace its own rollout index)."""
     from harness_trainer.traces.files import read_traces
     from harness_trainer.training.packing import chains_from_trace
 
-    rows = []
+    chains = []
     for file in trace_files(where):
         keep = _rewarded_episodes(file) if only_rewarded else None
-        for i, trace in enumerate(read_traces(file)):
+        for trace in read_traces(file):
             if keep is not None and trace.turns[0].metadata.get("episode_id") not in keep:
                 continue
-            for chain in chains_from_trace(trace, i):
-                if any(chain.trained):
-                    rows.append({"input_ids": chain.ids, "completion_mask": [int(t) for t in chain.trained]})
-    if not rows:
+            chains += [c for c in chains_from_trace(trace, len(chains)) if any(c.trained)]
+    if not chains:
         raise SFTError(f"the traces at {where} hold no trained token (every loss mask is 0, or --only-rewarded "
                        "left nothing): collect traces whose rollouts produced completions")
-    return rows
+    return chains
+
+
+def sft_rows(where: str | Path, only_rewarded: bool = False) -> list[dict]:
+    """One row per chain: {"input_ids": [...], "completion_mask": [...]}, in the engine's token ids."""
+    return [{"input_ids": c.ids, "completion_mask": [int(t) for t in c.trained]}
+            for c in sft_chains(where, only_rewarded)]
 
 
 def run_sft(cfg: SFTRunConfig) -> Path:
@@ -98,12 +108,15 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
 
     model_dir = str(model_or_default(cfg.model, cfg.model_revision).path)
-    rows = sft_rows(cfg.traces, cfg.only_rewarded)
+    chains = sft_chains(cfg.traces, cfg.only_rewarded)
+    rows = [{"input_ids": c.ids, "completion_mask": [int(t) for t in c.trained]} for c in chains]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = add_lora(model, LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)) \
         if cfg.use_peft else None
     out = Path(cfg.output_dir)
+    if cfg.packing == "tree":
+        return _sft_on_tree(cfg, model, peft, chains, tokenizer, Path(model_dir), out)
     gpu = torch.cuda.is_available()
     args = SFTConfig(output_dir=str(out), num_train_epochs=cfg.num_train_epochs, learning_rate=cfg.learning_rate,
                      per_device_train_batch_size=cfg.per_device_train_batch_size, completion_only_loss=True,
@@ -126,5 +139,29 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     summary = {"rows": len(rows), "trained_tokens": sum(sum(r["completion_mask"]) for r in rows),
                "train_loss": result.training_loss, "steps": result.global_step, "model": str(final),
                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    (out / "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return final
+
+
+def _sft_on_tree(cfg: SFTRunConfig, model, peft, chains: list, tokenizer, model_dir: Path, out: Path) -> Path:
+    import torch
+
+    from harness_trainer.training.checkpoints import save_model
+    from harness_trainer.training.lora import merged_state_dict
+    from harness_trainer.training.sft_tree import train_on_tree
+
+    torch.manual_seed(cfg.seed)
+    result = train_on_tree(model, chains, cfg.num_train_epochs, cfg.learning_rate,
+                           cfg.per_device_train_batch_size, cfg.lr_scheduler_type, warmup_steps=5, seed=cfg.seed,
+                           log=lambda line: print(line, flush=True))
+    final = out / "final"
+    save_model(model, final, model_dir, state_dict=merged_state_dict(model) if peft is not None else None)
+    if peft is not None:
+        peft.save_pretrained(final / "adapter")
+    tokenizer.save_pretrained(final)
+    summary = {"rows": len(chains), "trained_tokens": sum(sum(c.trained) for c in chains), "packing": "tree",
+               "train_loss": result["train_loss"], "steps": result["steps"], "model": str(final),
+               "tokens_fed": result["tokens_fed"], "row_tokens": result["row_tokens"],
+               "seconds": round(result["seconds"], 1), "losses": result["losses"]}
     (out / "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return final
