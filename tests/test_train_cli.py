@@ -211,7 +211,7 @@ def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
     else:
         assert float(logp.exp().min()) > 0.9  # the completion is learned ...
     assert (tmp_path / "sft" / "final" / "tokenizer.json").exists()  # ... into a folder vLLM can serve
-    assert (tmp_path / "sft" / "final" / "adapter" / "adapter_config.json").exists() == bool(lora)
+    assert (tmp_path / "sft" / "final" / "adapter" / "adapter_config.json").exists() == ("--use-peft" in lora)
     assert main(["sft", "--traces", str(tmp_path / "none")]) == 1
 
 
