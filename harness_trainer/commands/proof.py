@@ -179,8 +179,9 @@ def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, r
 
 def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float | None = None,
               sft_model: Path | None = None, seeds: tuple[int, ...] = (0,), lora_rank: int = 0,
-              recipe: Recipe = RECIPES["mini-swe-agent"]) -> list:
-    """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model."""
+              recipe: Recipe = RECIPES["mini-swe-agent"]) -> tuple[list, dict, dict]:
+    """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model.
+    Returns the table's rows, each row's stage time, and every stage's seconds."""
     started = time.monotonic()
     rows, timings, times = [], {}, {}
     if sft_model is None:

@@ -90,10 +90,22 @@ def sft_chains(where: str | Path, only_rewarded: bool = False) -> list:
     return chains
 
 
+def _row(chain) -> dict:
+    return {"input_ids": chain.ids, "completion_mask": [int(t) for t in chain.trained]}
+
+
 def sft_rows(where: str | Path, only_rewarded: bool = False) -> list[dict]:
     """One row per chain: {"input_ids": [...], "completion_mask": [...]}, in the engine's token ids."""
-    return [{"input_ids": c.ids, "completion_mask": [int(t) for t in c.trained]}
-            for c in sft_chains(where, only_rewarded)]
+    return [_row(c) for c in sft_chains(where, only_rewarded)]
+
+
+def _save_adapted(model, peft, final: Path, model_dir: Path) -> None:
+    """A LoRA run's final/: servable alone (GRPO and vLLM start from it), the adapter beside it."""
+    from harness_trainer.training.checkpoints import save_model
+    from harness_trainer.training.lora import merged_state_dict
+
+    save_model(model, final, model_dir, state_dict=merged_state_dict(model))
+    peft.save_pretrained(final / "adapter")
 
 
 def run_sft(cfg: SFTRunConfig) -> Path:
@@ -103,13 +115,11 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from harness_trainer.training.checkpoints import save_model
     from harness_trainer.models.hub import model_or_default
-    from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
+    from harness_trainer.training.lora import LoraSettings, add_lora
 
     model_dir = str(model_or_default(cfg.model, cfg.model_revision).path)
     chains = sft_chains(cfg.traces, cfg.only_rewarded)
-    rows = [{"input_ids": c.ids, "completion_mask": [int(t) for t in c.trained]} for c in chains]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = add_lora(model, LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)) \
@@ -117,6 +127,7 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     out = Path(cfg.output_dir)
     if cfg.packing == "tree":
         return _sft_on_tree(cfg, model, peft, chains, tokenizer, Path(model_dir), out)
+    rows = [_row(c) for c in chains]
     gpu = torch.cuda.is_available()
     args = SFTConfig(output_dir=str(out), num_train_epochs=cfg.num_train_epochs, learning_rate=cfg.learning_rate,
                      per_device_train_batch_size=cfg.per_device_train_batch_size, completion_only_loss=True,
@@ -132,9 +143,8 @@ def run_sft(cfg: SFTRunConfig) -> Path:
     final = out / "final"
     if peft is None:
         trainer.save_model(str(final))
-    else:  # servable alone (GRPO and vLLM start from it), the adapter beside it
-        save_model(model, final, Path(model_dir), state_dict=merged_state_dict(model))
-        peft.save_pretrained(final / "adapter")
+    else:
+        _save_adapted(model, peft, final, Path(model_dir))
     tokenizer.save_pretrained(final)
     summary = {"rows": len(rows), "trained_tokens": sum(sum(r["completion_mask"]) for r in rows),
                "train_loss": result.training_loss, "steps": result.global_step, "model": str(final),
@@ -147,7 +157,6 @@ def _sft_on_tree(cfg: SFTRunConfig, model, peft, chains: list, tokenizer, model_
     import torch
 
     from harness_trainer.training.checkpoints import save_model
-    from harness_trainer.training.lora import merged_state_dict
     from harness_trainer.training.sft_tree import train_on_tree
 
     torch.manual_seed(cfg.seed)
@@ -155,9 +164,10 @@ def _sft_on_tree(cfg: SFTRunConfig, model, peft, chains: list, tokenizer, model_
                            cfg.per_device_train_batch_size, cfg.lr_scheduler_type, warmup_steps=5, seed=cfg.seed,
                            log=lambda line: print(line, flush=True))
     final = out / "final"
-    save_model(model, final, model_dir, state_dict=merged_state_dict(model) if peft is not None else None)
-    if peft is not None:
-        peft.save_pretrained(final / "adapter")
+    if peft is None:
+        save_model(model, final, model_dir)
+    else:
+        _save_adapted(model, peft, final, model_dir)
     tokenizer.save_pretrained(final)
     summary = {"rows": len(chains), "trained_tokens": sum(sum(c.trained) for c in chains), "packing": "tree",
                "train_loss": result["train_loss"], "steps": result["steps"], "model": str(final),
