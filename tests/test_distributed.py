@@ -62,8 +62,11 @@ def test_two_cpu_processes_take_the_single_process_step(tiny_model_dir, tmp_path
     assert one["metrics"]["ref_kl"] == 0.0  # the reference is the starting policy
     assert one["metrics"]["grad_norm"] == pytest.approx(two["metrics"]["grad_norm"], rel=1e-5)
     # the step did something: Adam's first step is lr * sign(g) = 1e-2, shortened by the step bound, and the
-    # bound decided the same on both: its KL is summed over the ranks' tokens
-    assert one["metrics"]["step_scale"] == two["metrics"]["step_scale"]
+    # bound decided the same on both: its KL is summed over the ranks' tokens. The scale is predicted from the
+    # measured overshoot, a float that differs in its last digits with the summation order (6.3309093e-3 vs
+    # 6.3309089e-3 in one CI run), so it is compared to rounding, not exactly.
+    assert one["metrics"]["step_scale"] == pytest.approx(two["metrics"]["step_scale"], rel=1e-5)
+    assert one["metrics"]["step_measures"] == two["metrics"]["step_measures"]
     assert one["metrics"]["step_kl"] == pytest.approx(two["metrics"]["step_kl"], rel=1e-4)
     assert one["metrics"]["moved"] > 0.5 * 1e-2 * one["metrics"]["step_scale"]
     # The same gradient, so the same step (weights are not compared: Adam's first step is lr * sign(g), and
