@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.agents.harnesses import AdapterError, CommandHarness
+from harness_trainer.agents.harnesses import AdapterError, CommandHarness, make_harness
 from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox, SandboxError
 from harness_trainer.rollouts.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
                                               run_rollout)
@@ -258,6 +258,34 @@ def test_claude_code_and_codex_failures_end_unscorable_with_the_reason(proxy, tm
             assert time.perf_counter() - started < 100, fault
     finally:
         stub.shutdown()
+
+
+def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_path):
+    """--agent-config for opencode: 'compact' (a short prompt, the bash tool only), a user's opencode.json
+    merged in (the provider and model stay the session's), and clear errors for a missing or broken file."""
+    import json
+
+    from harness_trainer.agents.base import AgentRun
+
+    run = AgentRun(instruction="Write the word cookie into data.txt.", model="tiny",
+                   base_url="http://127.0.0.1:1/v1", api_key="k", step_limit=3)
+    config = lambda harness: json.loads(harness.prepare(run)[1]["HARNESS_OPENCODE_CONFIG"])  # noqa: E731
+    full, compact = config(make_harness("opencode")), config(make_harness("opencode", config="compact"))
+    assert "agent" not in full and "tools" not in full
+    assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in compact["agent"]["build"]["prompt"]
+    assert compact["tools"]["write"] is False and "bash" not in compact["tools"]
+    assert compact["provider"] == full["provider"] and compact["model"] == "capture/tiny"
+    own = tmp_path / "opencode.json"
+    own.write_text(json.dumps({"model": "elsewhere/big", "permission": {"bash": "allow"}}))
+    mine = config(make_harness("opencode", config=str(own)))
+    assert mine["permission"] == {"bash": "allow"} and mine["model"] == "capture/tiny"
+    with pytest.raises(AdapterError, match="no such file"):
+        make_harness("opencode", config=str(tmp_path / "missing.json"))
+    own.write_text("{not json")
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        make_harness("opencode", config=str(own))
+    with pytest.raises(AdapterError, match="read by the mini-swe-agent, opencode and claude-code"):
+        make_harness("codex", config="compact")
 
 
 # ---- rewards ------------------------------------------------------------------------------------------------

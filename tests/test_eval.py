@@ -88,9 +88,10 @@ def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one
             assert all(t.metadata["dialect"] == dialect for t in trace.turns)
 
 
-@pytest.mark.parametrize("harness", ["mini-swe-agent", "opencode"])
-def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp_path, harness):
-    summary, records = evaluate(EvalConfig(harness=harness, dataset="builtin:toy-heldout", limit=2,
+@pytest.mark.parametrize("harness,mode", [("mini-swe-agent", None), ("opencode", None), ("opencode", "compact")],
+                         ids=["mini-swe-agent", "opencode", "opencode-compact"])
+def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp_path, harness, mode):
+    summary, records = evaluate(EvalConfig(harness=harness, agent_config=mode, dataset="builtin:toy-heldout", limit=2,
                                            vllm_url=engine.url, max_concurrent_rollouts=2, agent_step_limit=2, max_completion_tokens=32,
                                            output_dir=str(tmp_path)))
     assert summary.rollouts == 2 and summary.unscorable == 0, [(r.status, r.reason) for r in records]
@@ -99,3 +100,6 @@ def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp
     assert len(traces) == 2 and all(t.turns for t in traces)
     rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert {r["task"] for r in rows} == {r.task for r in records}
+    if harness == "opencode":  # its own ~3.4k-token prompt and ten tools, or the compact one (bash only)
+        agent_prompts = [len(t.prompt_token_ids) for trace in traces for t in trace.turns]  # agent turns only
+        assert agent_prompts and all(n < 600 if mode == "compact" else n > 3000 for n in agent_prompts), agent_prompts

@@ -188,10 +188,9 @@ def test_reward_rises_from_the_random_tiny_model(tmp_path):
         factory = partial(LocalSessionFactory, proxy=proxy.client, harness=SAY_HARNESS, output_dir=tmp_path / "r")
         history = HarnessAsyncGRPOTrainer(str(model), factory, AsyncGRPOConfig(
             output_dir=str(tmp_path / "run"), vllm_server_base_url=engine.url, num_generations=16,
-            max_concurrent_rollouts=16, max_steps=30, learning_rate=2e-2, max_completion_tokens=4, save_steps=100,
-            # from a random model a rewarded token starts near 1/326: the trust region (step_clip: x1.2 a step at
-            # most, tests/test_stability.py) would need far more steps than this test's 30 to lift it
-            step_clip=None, max_step_kl=None),
+            max_concurrent_rollouts=16, max_steps=30, learning_rate=2e-2, max_completion_tokens=4, save_steps=100),
+            # the default trust region: from a random model a rewarded token starts near 1/326; a bound on the ratio
+            # (x1.2 a step) would need far more than 30 steps to lift it, the bound on the probability move does not
             [load_task(say_task(tmp_path))]).train()
     rewards = [h.get("reward_mean") or 0.0 for h in history]
     # Learning, by a margin: the first step's groups were sampled by the random model (≈ 0.03 rewarded); the

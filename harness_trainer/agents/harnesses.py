@@ -21,6 +21,8 @@ OPENCODE = REPO_ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "openco
 
 
 COMPACT_CONFIG = Path(__file__).with_name("mini_compact.yaml")
+MINI_CLIENT = Path(__file__).with_name("mini_client.py")  # importable in the jail as harness_mini_client
+OPENCODE_COMPACT = Path(__file__).with_name("opencode_compact.json")
 
 
 class MiniSweAgent:
@@ -29,7 +31,7 @@ class MiniSweAgent:
     name = "mini-swe-agent"
 
     def __init__(self, config: str | None = None):
-        path = COMPACT_CONFIG if config == "compact" else Path(config) if config else None
+        path = COMPACT_CONFIG if config == "compact" else Path(config) if config not in (None, "full") else None
         if path is not None and not path.is_file():
             raise AdapterError(f"--agent-config {config}: no such file (give a mini-swe-agent YAML file, or "
                                "'compact' for the packaged short prompt)")
@@ -49,8 +51,10 @@ class MiniSweAgent:
             "-y", "--exit-immediately", "-t", '"$HARNESS_TASK"', "-o", "/logs/agent/traj.json", "</dev/null"])
         env = {"HARNESS_TASK": run.instruction, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_GLOBAL_CONFIG_DIR": "/home/.mini",
-               "MSWEA_CONFIGURED": "true", "OPENAI_API_KEY": run.api_key}
-        setup = "mkdir -p /logs/agent && "
+               "MSWEA_CONFIGURED": "true", "OPENAI_API_KEY": run.api_key,
+               "HARNESS_MINI_CLIENT": MINI_CLIENT.read_text(), "PYTHONPATH": "/home/.harness"}
+        setup = ("mkdir -p /logs/agent /home/.harness && "
+                 "printf '%s' \"$HARNESS_MINI_CLIENT\" > /home/.harness/harness_mini_client.py && ")
         if self.config_text:
             env["HARNESS_MINI_CONFIG"] = self.config_text
             setup += "printf '%s' \"$HARNESS_MINI_CONFIG\" > /logs/agent/config.yaml && "
@@ -81,15 +85,29 @@ class MiniSweAgent:
 
 class OpenCode:
     """opencode (npm opencode-ai): an @ai-sdk/openai-compatible provider pointed at the session; the title
-    (small) model is routed to the same session, so its call is captured and marked auxiliary."""
+    (small) model is routed to the same session, so its call is captured and marked auxiliary.
+    `config`: an opencode.json merged under the generated one (its agents, tools, permissions; the provider
+    and model stay the session's), or "compact": the packaged short prompt with the bash tool only."""
     name = "opencode"
+
+    def __init__(self, config: str | None = None):
+        path = OPENCODE_COMPACT if config == "compact" else Path(config) if config not in (None, "full") else None
+        if path is not None and not path.is_file():
+            raise AdapterError(f"--agent-config {config}: no such file (give an opencode.json file, or 'compact' "
+                               "for the packaged short prompt with the bash tool only)")
+        try:
+            self.overrides = json.loads(path.read_text()) if path else {}
+        except ValueError as error:
+            raise AdapterError(f"--agent-config {config}: not valid JSON ({error}); give an opencode.json file")
+        if not isinstance(self.overrides, dict):
+            raise AdapterError(f"--agent-config {config}: an opencode.json holds one JSON object")
 
     def check_installed(self) -> None:
         if not OPENCODE.exists():
             raise AdapterError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
-        config = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+        config = self.overrides | {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
                   "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
                   "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
                                            "options": {"baseURL": run.base_url, "apiKey": run.api_key},
@@ -164,12 +182,13 @@ class CommandHarness:
 
 
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:
-    if config and name not in ("mini-swe-agent", "claude-code"):
-        raise AdapterError(f"--agent-config is read by the mini-swe-agent and claude-code adapters, not by {name}")
+    if config and name not in ("mini-swe-agent", "opencode", "claude-code"):
+        raise AdapterError(f"--agent-config is read by the mini-swe-agent, opencode and claude-code adapters, "
+                           f"not by {name}")
     if name == "mini-swe-agent":
         return MiniSweAgent(config)
     if name == "opencode":
-        return OpenCode()
+        return OpenCode(config)
     if name == "command":
         if not command:
             raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")

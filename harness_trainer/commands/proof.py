@@ -36,7 +36,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from harness_trainer.commands.evaluate import EvalConfig, EvalSummary, evaluate
@@ -69,8 +69,11 @@ class Recipe:
 
 RECIPES = {
     "mini-swe-agent": Recipe("mini-swe-agent", agent_config="compact"),
-    # a tree step costs ~the shared prompt: 16 rows a step at 2x the rate, 180 steps instead of 720
-    "opencode": Recipe("opencode", sft_packing="tree", sft_epochs=30, sft_batch_size=16, sft_learning_rate=2e-3),
+    # opencode with its packaged compact config (a short agent prompt, the bash tool only: 287 prompt tokens
+    # instead of 3,374), as mini-swe-agent runs with its compact prompt; the SFT recipe is mini-swe-agent's,
+    # packed as a tree (the same loss; the shared prompt once a batch). Through the full prompt the tiny model's
+    # SFT did not learn to copy (docs/results.md); `--agent-config full` runs it so.
+    "opencode": Recipe("opencode", agent_config="compact", sft_packing="tree"),
 }
 
 
@@ -264,6 +267,9 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--sft-model", default=None,
                         help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
                              "and the GRPO stage")
+    parser.add_argument("--agent-config", default=None,
+                        help="the agent's set-up (default: the harness's recipe: compact for mini-swe-agent and "
+                             "opencode; full: the agent's own long prompt and every tool)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="train LoRA adapters of this rank in both stages (lr x10), synced by name (default: 0, "
                              "every weight)")
@@ -286,6 +292,8 @@ def _main(argv: list[str] | None) -> int:
     from harness_trainer.models.tiny import ensure_tiny_model
 
     recipe = RECIPES[args.harness]
+    if args.agent_config:
+        recipe = replace(recipe, agent_config=args.agent_config)
     run = lambda url: run_proof(out, url, args.num_generations, args.grpo_steps, args.sft_epochs,  # noqa: E731
                                 sft_model, tuple(args.seeds), args.lora_rank, recipe)
     if args.vllm_url:

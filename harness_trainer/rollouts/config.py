@@ -40,5 +40,7 @@ class RolloutConfig:
     agent_step_limit: int = option(6, "agent steps per rollout")
     agent_timeout: float | None = option(None, "seconds per rollout (default: the task's)")
     agent_command: str | None = option(None, "for --harness command: a template with {instruction}")
-    agent_config: str | None = option(None, "mini-swe-agent: YAML layered over its default config, or 'compact'")
+    agent_config: str | None = option(None, "the agent's own set-up: full (its default), compact "
+                                             "(mini-swe-agent, opencode: a short prompt), bare (claude-code), or "
+                                             "a file: mini-swe-agent YAML or opencode.json, merged in")
     reward_key: str = option("reward", "key of the verifier's reward.json")
