@@ -49,7 +49,8 @@ VARIANTS = {
     "gps2": OLD | dict(groups_per_step=2),
     "kl": OLD | dict(max_step_kl=0.01),
     "kl+clip": OLD | dict(max_step_kl=0.01, behaviour_clip=True),
-    "new": dict(learning_rate=3e-4),  # the trainer's defaults: step_clip 0.2, max_step_kl 0.01, behaviour_clip
+    "new": dict(learning_rate=3e-4),  # the trainer's defaults: step_clip 0.2 (probability), behaviour_clip
+    "new+kl": dict(learning_rate=3e-4, max_step_kl=0.01),  # the defaults before the random-model run
     "ratio": dict(learning_rate=3e-4, step_clip_mode="ratio"),
     "halving": dict(learning_rate=3e-4, step_clip_mode="ratio", halving=True),
     "new-gps2": dict(learning_rate=3e-4, groups_per_step=2, warmup_ratio=0.1, lr_scheduler_type="constant_with_warmup"),

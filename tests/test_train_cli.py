@@ -112,7 +112,7 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
                                                   "--behaviour-clip", "false", "--step-clip", "none"]))
     assert (cfg.warmup_ratio, cfg.lr_scheduler_type, cfg.save_best, cfg.groups_per_step, cfg.behaviour_clip) == \
         (0.1, "cosine", True, 2, False)
-    assert cfg.step_clip is None and cfg.max_step_kl == 0.01  # off by flag; the default kept
+    assert cfg.step_clip is None and cfg.max_step_kl is None and cfg.step_clip_mode == "probability"
     assert (cfg.max_tokens_per_microbatch, cfg.dtype, cfg.gradient_checkpointing) == (16384, "float32", False)
     cfg = train_config(build_parser().parse_args(["train", "--max-tokens-per-microbatch", "none", "--dtype",
                                                   "bfloat16", "--gradient-checkpointing", "true"]))

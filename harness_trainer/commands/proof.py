@@ -60,8 +60,8 @@ class Recipe:
     sft_batch_size: int = 8
     sft_learning_rate: float = 1e-3
     # run_training's fields. lr 3e-4 with the trainer's default trust region (step_clip 0.2 on each trained
-    # token's probability, max_step_kl 0.01, behaviour_clip): without it this lr let one step move the policy by
-    # a KL of 0.4 and the run collapse.
+    # token's probability, behaviour_clip): without it this lr let one step move the policy by a KL of 0.4 and
+    # the run collapse.
     grpo: dict = field(default_factory=lambda: dict(num_generations=8, max_concurrent_rollouts=16,
                                                     learning_rate=3e-4, save_best=True))
     concurrency: int = 4  # eval and solver rollouts at once
