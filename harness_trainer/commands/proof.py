@@ -20,11 +20,12 @@ the instruction (which carries over to held-out pairs), and the solver's coin fl
 what is left for GRPO, and since the slip is one decision shared by every task, fixing it on training tasks
 fixes it on held-out ones. Rollouts and evals sample at temperature 0.7, for all three models alike.
 
-Through opencode the same tasks meet an ~11k-token system prompt, JSON tool calls and a title call per
-rollout (captured as auxiliary, never trained: the table counts them). Its recipe (RECIPES) differs only where
-the agent does: its traces share a 3.4k-token prompt, so SFT packs each batch as one prefix tree (the same
-loss as TRL's rows on a fifth of the tokens); opencode asks for a final answer after the submit command, so
-each rollout makes one more model call.
+Through opencode the same tasks meet JSON tool calls and a title call per rollout (captured as auxiliary,
+never trained: the table counts them), with opencode's compact config (a short agent prompt, the bash tool
+only), as mini-swe-agent runs with its compact prompt: through opencode's own 3.4k-token prompt the tiny random
+model's SFT never learnt to copy the instruction's word and file (`--agent-config full` runs it so). Its recipe
+(RECIPES) is mini-swe-agent's, its SFT packed as one prefix tree a batch (the same loss as TRL's rows);
+opencode asks for a final answer after the submit command, so each rollout makes one more model call.
 
 One engine serves every stage; between stages the weights under evaluation are reloaded into it.
 """
