@@ -25,16 +25,23 @@ MINI_CLIENT = Path(__file__).with_name("mini_client.py")  # importable in the ja
 OPENCODE_COMPACT = Path(__file__).with_name("opencode_compact.json")
 
 
+def _agent_config(config: str | None, compact: Path, kind: str) -> Path | None:
+    """--agent-config for an agent that reads a file: none or 'full' (its own set-up), 'compact' (the packaged
+    file), or a path that must exist."""
+    path = compact if config == "compact" else Path(config) if config not in (None, "full") else None
+    if path is not None and not path.is_file():
+        raise AdapterError(f"--agent-config {config}: no such file (give {kind}, or 'compact' for the packaged "
+                           "short prompt)")
+    return path
+
+
 class MiniSweAgent:
     """mini-swe-agent (PyPI), non-interactive, talking litellm's hosted_vllm provider to the session.
     `config`: a YAML file layered over its default mini.yaml (or "compact", the packaged short prompt)."""
     name = "mini-swe-agent"
 
     def __init__(self, config: str | None = None):
-        path = COMPACT_CONFIG if config == "compact" else Path(config) if config not in (None, "full") else None
-        if path is not None and not path.is_file():
-            raise AdapterError(f"--agent-config {config}: no such file (give a mini-swe-agent YAML file, or "
-                               "'compact' for the packaged short prompt)")
+        path = _agent_config(config, COMPACT_CONFIG, "a mini-swe-agent YAML file")
         self.config_text = path.read_text() if path else None
 
     def check_installed(self) -> None:
@@ -91,10 +98,7 @@ class OpenCode:
     name = "opencode"
 
     def __init__(self, config: str | None = None):
-        path = OPENCODE_COMPACT if config == "compact" else Path(config) if config not in (None, "full") else None
-        if path is not None and not path.is_file():
-            raise AdapterError(f"--agent-config {config}: no such file (give an opencode.json file, or 'compact' "
-                               "for the packaged short prompt with the bash tool only)")
+        path = _agent_config(config, OPENCODE_COMPACT, "an opencode.json file")
         try:
             self.overrides = json.loads(path.read_text()) if path else {}
         except ValueError as error:
