@@ -56,6 +56,8 @@ class Recipe:
     agent_config: str | None = None
     agent_step_limit: int = 3
     max_completion_tokens: int = 64
+    solver_attempts: int = 2  # solver rollouts per training task
+    solver_slip_rate: float = 0.5  # share of them made with the slip (oracle.py: evenly spread over each task's)
     sft_epochs: float = 60  # 48 tasks x 2 attempts = 96 traces, 12 steps of 8 an epoch
     sft_packing: str = "rows"  # rows: TRL's SFTTrainer; tree: the shared system prompt once a batch
     sft_batch_size: int = 8
@@ -71,10 +73,13 @@ class Recipe:
 RECIPES = {
     "mini-swe-agent": Recipe("mini-swe-agent", agent_config="compact"),
     # opencode with its packaged compact config (a short agent prompt, the bash tool only: 287 prompt tokens
-    # instead of 3,374), as mini-swe-agent runs with its compact prompt; the SFT recipe is mini-swe-agent's,
-    # packed as a tree (the same loss; the shared prompt once a batch). Through the full prompt the tiny model's
-    # SFT did not learn to copy (docs/results.md); `--agent-config full` runs it so.
-    "opencode": Recipe("opencode", agent_config="compact", sft_packing="tree"),
+    # instead of 3,374), as mini-swe-agent runs with its compact prompt; SFT packed as a tree (the same loss; the
+    # shared prompt once a batch). Through the full prompt the tiny model's SFT did not learn to copy
+    # (docs/results.md); `--agent-config full` runs it so. Its solver slips in 2 of 3 attempts (mini-swe-agent's:
+    # 1 of 2): with 1 of 2 its SFT model won 23/32 and GRPO's 29/32 left no room to show the slip unlearnt; the
+    # same 720 SFT steps of 8 (40 epochs of 144 traces).
+    "opencode": Recipe("opencode", agent_config="compact", sft_packing="tree", solver_attempts=3,
+                       solver_slip_rate=2 / 3, sft_epochs=40),
 }
 
 
@@ -141,9 +146,11 @@ def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: fl
     rows.append(("base (random tiny model)", _eval("base", engine_url, out, n, recipe)))
     timings["a_eval_base_s"] = time.monotonic() - t
 
-    print("(b) solver traces on the training tasks (two attempts each, one with a slip)", flush=True)
+    print(f"(b) solver traces on the training tasks ({recipe.solver_attempts} attempts each, "
+          f"{recipe.solver_slip_rate:.0%} with a slip)", flush=True)
     t = time.monotonic()
-    demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=0.5, num_generations=2,
+    demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=recipe.solver_slip_rate,
+                                   num_generations=recipe.solver_attempts,
                                    output_dir=str(out / "solver"), **eval_settings(recipe) | {"dataset": "builtin:toy-train"}))
     print(f"  solver: {demos.wins}/{demos.rollouts} right", flush=True)
     timings["b_solver_s"] = time.monotonic() - t
@@ -263,8 +270,8 @@ def _main(argv: list[str] | None) -> int:
                         help=argparse.SUPPRESS)
     parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
     parser.add_argument("--sft-epochs", type=float, default=None,
-                        help="SFT epochs over the solver traces (default: the harness's recipe: 60 for "
-                             "mini-swe-agent, 720 steps of 8)")
+                        help="SFT epochs over the solver traces (default: the harness's recipe, 720 steps of 8: "
+                             "60 epochs for mini-swe-agent, 40 for opencode)")
     parser.add_argument("--sft-model", default=None,
                         help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
                              "and the GRPO stage")
