@@ -140,6 +140,9 @@ def _occupied_port():
     (["--sandbox", "e2b"], "needs E2B_API_KEY"),
     (["--reward", "no_such_module:fn"], "cannot import fn from no_such_module"),
     (["--report-to", "tensorboard"], "choose trackio, wandb or none"),
+    (["--engines", "2", "--vllm-url", "http://127.0.0.1:9"], "--engines launches engines and --vllm-url attaches"),
+    (["--engines", "0"], "--engines 0: give 1 or more"),
+    (["--step-clip-mode", "wavy"], "unknown step_clip_mode 'wavy'"),
     (["--lr-scheduler-type", "wavy"], "--lr-scheduler-type wavy: choose one of linear, cosine"),
     (["--warmup-ratio", "0.1"], "--warmup-ratio needs a schedule with a warm-up"),
     (["--groups-per-step", "0"], "--groups-per-step must be a positive integer"),
@@ -169,7 +172,11 @@ def test_live_display_shows_stability_and_warnings():
                       "behaviour_kl_k3": 0.0123, "behaviour_clip_frac": 0.05, "completion_tokens_mean": 41.5,
                       "step_scale": 0.25,
                       "warnings": ["entropy jumped to 0.24 (median of the last 5 steps: 0.012)"],
-                      "recovered": ["the engine restarted without the policy: version 9 synced again"]})
+                      "recovered": ["the engine restarted without the policy: version 9 synced again"],
+                      **{f"engine{i}/{k}": v for i, (url, state, rate) in enumerate(
+                          [("http://a:8000", "ready", 0.81), ("http://b:8000", "lost", None)])
+                         for k, v in {"url": url, "state": state, "sessions": 5 + i, "calls": 40 + i,
+                                      "prefix_cache_hit_rate": rate}.items()}})
     console = Console(width=200, record=True)
     console.print(progress)
     screen = console.export_text()
@@ -177,6 +184,8 @@ def test_live_display_shows_stability_and_warnings():
     assert "step taken 25%" in screen
     assert "answer 42 tokens" in screen and "step 9: entropy jumped to 0.24" in screen
     assert "before step 9: the engine restarted without the policy" in screen
+    assert "http://a:8000: ready, 5 sessions, 40 calls, prefix cache 81%" in screen  # several engines: one line each
+    assert "http://b:8000: lost, 6 sessions, 41 calls, prefix cache -" in screen
 
 
 @pytest.mark.parametrize("lora", [[], ["--use-peft", "--lora-rank", "8", "--lora-alpha", "64"], ["--packing", "tree"]],

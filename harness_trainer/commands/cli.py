@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from harness_trainer.commands.flags import ArgumentParser, add_config_flags, config_values
+from harness_trainer.commands.flags import ArgumentParser, add_config_flags, build_config, config_values
 from harness_trainer.commands.models import add_model_parsers
 from harness_trainer.serving.process import interrupt_on_sigterm
 
@@ -22,7 +22,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from harness_trainer.commands.evaluate import EvalConfig, evaluate
 
-    cfg = EvalConfig(**config_values(args, EvalConfig, EVAL_DEPRECATED))
+    cfg = build_config(EvalConfig, config_values(args, EvalConfig, EVAL_DEPRECATED))
     counts = {"ok": 0, "timeout": 0, "unscorable": 0, "wins": 0}
     with Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn()) as bar:
@@ -42,9 +42,15 @@ def _eval(args: argparse.Namespace) -> int:
 def _sft(args: argparse.Namespace) -> int:
     from harness_trainer.commands.sft import SFTRunConfig, run_sft
 
-    final = run_sft(SFTRunConfig(**config_values(args, SFTRunConfig, SFT_DEPRECATED)))
+    final = run_sft(build_config(SFTRunConfig, config_values(args, SFTRunConfig, SFT_DEPRECATED)))
     print(f"SFT model (Hugging Face format, servable by vLLM): {final}")
     return 0
+
+
+def engine_line(metrics: dict, prefix: str) -> str:
+    rate = metrics[prefix + "prefix_cache_hit_rate"]
+    return (f"{metrics[prefix + 'url']}: {metrics[prefix + 'state']}, {metrics[prefix + 'sessions']} sessions, "
+            f"{metrics[prefix + 'calls']} calls, prefix cache {f'{rate:.0%}' if rate is not None else '-'}")
 
 
 class TrainProgress:
@@ -57,6 +63,7 @@ class TrainProgress:
         self.stability: dict = {}
         self.warning: str | None = None
         self.recovered: str | None = None
+        self.engines: list[str] = []
 
     def on_launch(self, count: int) -> None:
         self.launched += count
@@ -74,6 +81,8 @@ class TrainProgress:
             self.stability = metrics
         if metrics.get("warnings"):
             self.warning = f"step {self.step}: " + "; ".join(metrics["warnings"])
+        count = sum(key.startswith("engine") and key.endswith("/url") for key in metrics)  # several engines
+        self.engines = [engine_line(metrics, f"engine{i}/") for i in range(count)]
         if metrics.get("recovered"):  # a restarted engine or proxy, put back (serving/supervise.py)
             self.recovered = f"before step {self.step}: " + "; ".join(metrics["recovered"])
 
@@ -96,6 +105,8 @@ class TrainProgress:
             table.add_row("[bold]stability[/]", f"entropy {m['entropy']:.3f}   KL to behaviour "
                           f"{m['behaviour_kl_k3']:.4f}   step taken {taken}   behaviour clip "
                           f"{m['behaviour_clip_frac']:.1%}   answer {m.get('completion_tokens_mean') or 0:.0f} tokens")
+        for line in self.engines:
+            table.add_row("[bold]engine[/]", line)
         if self.warning:
             table.add_row("[bold yellow]warning[/]", f"[yellow]{self.warning}[/]")
         if self.recovered:

@@ -67,6 +67,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls, skip: tuple[st
         kind = str(f.type)
         default = "" if f.default in (None, dataclasses.MISSING) else f" (default: {f.default})"
         extra = dict(nargs="?", const=True) if kind == "bool" else {}
+        if f.metadata.get("repeat"):  # --vllm-url A --vllm-url B
+            extra["action"] = "append"
         if f.metadata.get("required"):
             extra["required"] = True
         parser.add_argument(flag(name), dest=name, type=CONVERTERS.get(kind, str), default=argparse.SUPPRESS,
@@ -129,6 +131,14 @@ def config_values(args: argparse.Namespace, config_cls, deprecated: dict[str, st
     """Defaults < --config file < flags given on the command line: the values to build `config_cls` from."""
     file_values = load_config_file(args.config, config_cls, deprecated) if getattr(args, "config", None) else {}
     return file_values | {name: getattr(args, name) for name in fields_of(config_cls) if hasattr(args, name)}
+
+
+def build_config(config_cls, values: dict):
+    """`config_cls(**values)`, its own checks (__post_init__) answered as a ConfigError, not a traceback."""
+    try:
+        return config_cls(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class ArgumentParser(argparse.ArgumentParser):

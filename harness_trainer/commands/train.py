@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from harness_trainer.commands.flags import ArgumentParser, ConfigError, add_config_flags, config_values, fields_of
+from harness_trainer.commands.flags import (ArgumentParser, ConfigError, add_config_flags, build_config, config_values,
+                                            fields_of)
 from harness_trainer.rollouts.config import RolloutConfig, option
 from harness_trainer.training.config import AsyncGRPOConfig
 
@@ -65,7 +66,7 @@ LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "const
 
 def resolve_config(values: dict) -> TrainRunConfig:
     """The run's config from flag and file values (commands/flags.py: config_values), checked."""
-    cfg = TrainRunConfig(**values)
+    cfg = build_config(TrainRunConfig, values)
     if cfg.report_to not in ("trackio", "wandb", "none"):
         raise ConfigError(f"--report-to {cfg.report_to}: choose trackio, wandb or none")
     if not 0 <= cfg.warmup_ratio < 1:
@@ -162,7 +163,7 @@ def check_attached_engine(engine, cfg) -> None:
     served = httpx.get(f"{engine.url}/v1/models", timeout=10).json().get("data") or [{}]
     root = Path(str(served[0].get("root") or ""))
     if not cfg.use_peft and (root / "config.json").is_file() and ties_embeddings(root):
-        raise ConfigError(f"the engine at {cfg.vllm_url} serves {root}, whose lm_head is tied to its embedding: vLLM's "
+        raise ConfigError(f"the engine at {engine.url} serves {root}, whose lm_head is tied to its embedding: vLLM's "
                           "in-place reload would leave lm_head on the old weights after the first sync. Start it "
                           "with `harness-train serve --model ...` (it serves an untied copy), or train with --use-peft")
 
@@ -210,9 +211,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
         raise ConfigError(f"{out} already holds a run (metrics.jsonl): pass --resume-from-checkpoint latest to "
                           "continue it, or choose a new --output-dir")
     reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
-    if cfg.vllm_url:
-        check_attached_engine(VLLMServer.attach(cfg.vllm_url), cfg)  # answers, serves what a sync can reach
-    else:
+    for url in cfg.vllm_url or []:
+        check_attached_engine(VLLMServer.attach(url), cfg)  # answers, serves what a sync can reach
+    if not cfg.vllm_url:
         check_port_free(cfg.engine_port, "--engine-port")
     check_port_free(cfg.proxy_port, "--proxy-port")
 

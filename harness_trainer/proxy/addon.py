@@ -9,7 +9,8 @@
   response         a JSON answer is captured and rewritten; 408/429/5xx are retried; a context overflow
                    becomes a clean stop answer; other upstream errors pass through
 
-A finished call is journaled before the agent receives the answer's last byte.
+A finished call is journaled before the agent receives the answer's last byte. With several engines
+(engines.py) each session is pinned to one; a call that finds its engine gone ends the rollout cleanly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from harness_trainer.proxy.capture import (Completion, PolicyRefusal, SamplingPo
 from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.dialects import dialect_for
+from harness_trainer.proxy.engines import ENGINE_LOST, HEALTH_EVERY_S, EnginePool
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
 from harness_trainer.proxy.rollout import Call, Session
 from harness_trainer.proxy.store import SessionStore
@@ -142,18 +144,41 @@ class Capture:
 
 
 class CaptureAddon:
-    def __init__(self, store: SessionStore, *, upstream: str, model: str | None = None,
+    def __init__(self, store: SessionStore, *, upstream: str | list[str], model: str | None = None,
                  admin_key: str | None = None, retries: int = 3, public_url: str | None = None):
         self.store = store
-        self.upstream = upstream.rstrip("/")
+        self.pool = EnginePool([upstream] if isinstance(upstream, str) else upstream)
+        self.upstream = self.pool.first  # the model's name is asked here
         self.model = model
         self.retries = retries
         self.control = ControlRoutes(self, admin_key=admin_key, public_url=public_url)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
         self.relay = StreamRelay()
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def several(self) -> bool:
+        """One engine: a restarted engine takes its sessions back (the trainer resyncs it). Several: a lost
+        engine's sessions end, new ones go to the others."""
+        return len(self.pool.engines) > 1
 
     async def running(self) -> None:
         await self.relay.start()
+        if self.several:
+            self._watch = asyncio.create_task(self._watch_engines())
+
+    async def _watch_engines(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check_engine(url) for url in self.pool.engines), return_exceptions=True)
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    async def check_engine(self, url: str, session: Session | None = None) -> bool:
+        """Is the engine alive? A silent one is lost, and `session`, whose call failed on it, ends with it."""
+        alive = await self.pool.check(self.http, url, self.store.current_version, self.store.current_model)
+        if not alive and session is not None:
+            self.store.stop(session, f"{ENGINE_LOST}: {self.pool.get(url).why}; the rollout is not moved to "
+                                     "another engine")
+        return alive
 
     async def served_model(self, upstream: str) -> str:
         if self.model is None or upstream != self.upstream:
@@ -166,7 +191,7 @@ class CaptureAddon:
     def new_session(self, body: dict) -> Session:
         """Called by the control routes (after `served_model` resolved the model)."""
         return self.store.create(
-            upstream=body.get("upstream") or self.upstream, model=body["model"], session_id=body.get("id"),
+            upstream=body.get("upstream") or self.pool.pick(), model=body["model"], session_id=body.get("id"),
             policy=SamplingPolicy.from_dict(body.get("policy")), max_model_calls=body.get("max_model_calls"),
             policy_version=int(body.get("policy_version", self.store.current_version)),
             metadata=body.get("metadata") or {})
@@ -222,6 +247,10 @@ class CaptureAddon:
             flow.response = json_response(400, dialect.error(400, f"invalid {dialect.name} request: {exc}"))
             return
         stream = dialect.wants_stream(asked)
+        if self.several and self.pool.is_lost(session.upstream):  # never moved: the rollout ends here
+            flow.response = self.stop_response(dialect, asked, session, "The engine was lost; stopping.", stream,
+                                               f"{ENGINE_LOST}: {self.pool.get(session.upstream).why}")
+            return
         if session.max_model_calls is not None and session.started_calls >= session.max_model_calls:
             flow.response = self.stop_response(dialect, asked, session, BUDGET_STOP, stream,
                                                f"model-call budget of {session.max_model_calls} used up")
@@ -234,6 +263,7 @@ class CaptureAddon:
             return
         session.started_calls += 1
         self.store.in_flight[sent["model"]] = self.store.in_flight.get(sent["model"], 0) + 1
+        self.pool.call_started(session.upstream)
         flow.metadata["capture"] = Capture(
             self.store, session, dialect, asked, sent, requested, sent_params, stream, session.policy_version,
             flow.request.headers.get("x-session-id"))
@@ -258,9 +288,15 @@ class CaptureAddon:
         if capture is not None and not capture.released:
             capture.released = True
             self.store.in_flight[capture.sent["model"]] -= 1
+            done = capture.completion
+            self.pool.call_ended(capture.session.upstream, len(done.prompt_token_ids or []), len(done.token_ids),
+                                 answered=capture.finished and not capture.failed)
 
-    def error(self, flow: http.HTTPFlow) -> None:
+    async def error(self, flow: http.HTTPFlow) -> None:
+        capture: Capture | None = flow.metadata.get("capture")
         self._release(flow)
+        if capture is not None and self.several:
+            await self.check_engine(capture.session.upstream, capture.session)
 
     async def response(self, flow: http.HTTPFlow) -> None:
         capture: Capture | None = flow.metadata.get("capture")
@@ -274,6 +310,8 @@ class CaptureAddon:
                 502, f"the engine's answer could not be read ({type(exc).__name__}: {exc})"))
         finally:
             self._release(flow)
+        if self.several and (capture.failed or flow.response.status_code in (502, 503, 504)):
+            await self.check_engine(capture.session.upstream, capture.session)  # died under the call?
 
     async def _answer(self, flow: http.HTTPFlow, capture: Capture) -> None:
         """Retry, capture and translate a JSON answer (or a stream that came back in one piece); errors pass."""
@@ -352,5 +390,7 @@ class CaptureAddon:
             "content-type": "text/event-stream" if stream else "application/json"})
 
     async def done(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.relay.stop()
         await self.http.aclose()

@@ -81,11 +81,16 @@ class ProxyClient:
         """The current version and model, and how many calls are in flight per model name."""
         return self._call("GET", "/policy_version")
 
+    def engines(self) -> list[dict]:
+        """Each engine behind the proxy: url, state (ready, lost, behind), sessions, calls, tokens, in flight
+        and its prefix-cache hit rate."""
+        return self._call("GET", "/engines")["engines"]
+
 
 class ProxyServer:
     """The capture proxy as a supervised subprocess in its own environment."""
 
-    def __init__(self, upstream: str, *, port: int = 0, forward_port: int | None = None, host: str = "127.0.0.1",
+    def __init__(self, upstream: str | list[str], *, port: int = 0, forward_port: int | None = None, host: str = "127.0.0.1",
                  journal: str | Path | None = None, admin_key: str | None = None, model: str | None = None,
                  confdir: str | Path | None = None, log_path: str | Path | None = None,
                  startup_timeout_s: float = 30.0):
@@ -96,8 +101,9 @@ class ProxyServer:
         self.url = f"http://{host}:{self.port}"
         tmp = Path(tempfile.mkdtemp(prefix="harness-proxy-"))
         self.confdir = Path(confdir) if confdir else tmp / "conf"
-        command = [proxy_python(), "-m", "harness_trainer.proxy.server", "--upstream", upstream,
-                   "--port", str(self.port), "--host", host, "--confdir", str(self.confdir)]
+        upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
+        command = [proxy_python(), "-m", "harness_trainer.proxy.server",
+                   *(arg for url in upstreams for arg in ("--upstream", url)), "--port", str(self.port), "--host", host, "--confdir", str(self.confdir)]
         if forward_port:
             command += ["--forward-port", str(forward_port)]
         if journal:

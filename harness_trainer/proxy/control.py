@@ -10,6 +10,7 @@
   DELETE /sessions/{id}                  forget a session and its journal                   (admin)
   POST   /sessions/{id}/policy_version   {"policy_version": N} for one session              (admin)
   POST   /policy_version                 {"policy_version": N} for every session            (admin)
+  GET    /engines                        each engine: state, sessions, calls, tokens, prefix-cache hits (admin)
   GET    /v1/models                      the served model                                   (a session key)
   GET    /ca.pem                         the CA certificate for forward (HTTPS_PROXY) mode  (open)
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from mitmproxy import ctx, http
 
 from harness_trainer.proxy.capture import SamplingPolicy
+from harness_trainer.proxy.engines import NoEngine
 from harness_trainer.proxy.rollout import NotTrainable, rollout_document, training_trace
 
 
@@ -77,7 +79,7 @@ class ControlRoutes:
                 return _error(401, "unknown API key")
             model = store.sessions[own].model if own else await self.addon.served_model(self.addon.upstream)
             return json_response(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
-        if not parts or parts[0] not in ("sessions", "policy_version"):
+        if not parts or parts[0] not in ("sessions", "policy_version", "engines"):
             return _error(404, f"no route {method} {request.path}: model calls go to /v1/chat/completions, "
                                "/v1/messages or /v1/responses; control routes are under /sessions")
         session_id = parts[1] if len(parts) > 1 else None
@@ -94,6 +96,8 @@ class ControlRoutes:
             except (ValueError, UnicodeDecodeError) as exc:
                 return _error(400, f"request body is not valid JSON: {exc}")
 
+        if parts == ["engines"] and method == "GET":
+            return json_response(200, {"engines": await self.addon.pool.metrics(self.addon.http)})
         if parts == ["policy_version"] and method == "POST":
             version, model = body.get("policy_version"), body.get("model")
             if not isinstance(version, int) or isinstance(version, bool):
@@ -152,6 +156,8 @@ class ControlRoutes:
             body = dict(body, model=body.get("model") or await self.addon.served_model(
                 (body.get("upstream") or self.addon.upstream).rstrip("/")))
             session = self.addon.new_session(body)
+        except NoEngine as exc:  # every engine lost or behind: the caller may retry once one is back
+            return _error(503, str(exc))
         except KeyError as exc:
             return _error(409, str(exc.args[0]))
         except (ValueError, TypeError) as exc:

@@ -38,7 +38,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     confdir = Path(args.confdir).expanduser()
     confdir.mkdir(parents=True, exist_ok=True)
-    modes = [f"reverse:{args.upstream}@{args.port}"]
+    modes = [f"reverse:{args.upstream[0]}@{args.port}"]  # the address is re-set per call (the session's engine)
     if args.forward_port:
         modes.append(f"regular@{args.forward_port}")
     options = Options(listen_host=args.host, mode=modes, confdir=str(confdir))
@@ -57,7 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, master.shutdown)
-    print(f"capture proxy: reverse on http://{args.host}:{args.port} -> {args.upstream}"
+    print(f"capture proxy: reverse on http://{args.host}:{args.port} -> {', '.join(args.upstream)}"
           + (f", forward (HTTPS_PROXY) on {args.host}:{args.forward_port}" if args.forward_port else "")
           + f"; {len(store.sessions)} session(s) reloaded from the journal", flush=True)
     await master.run()
@@ -66,7 +66,9 @@ async def serve(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness-train proxy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--upstream", required=True, action="append",
+                        help="an engine's base URL, e.g. http://127.0.0.1:8000; repeat for several (each session "
+                             "is pinned to one)")
     parser.add_argument("--port", type=int, default=8100, help="reverse listener and control routes (8100)")
     parser.add_argument("--forward-port", type=int, default=None, help="forward (HTTPS_PROXY) listener (off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")

@@ -31,8 +31,13 @@ class RolloutConfig:
                                                 "template, models/formats.py)")
     reasoning_parser: str | None = option(None, "vLLM's reasoning parser, or none (default: read from the model)")
     max_model_len: int | None = option(None, "context length the engine serves (default: the model's own)")
-    vllm_url: str | None = option(None, "attach to a running vLLM instead of launching one for --model")
-    engine_port: int = option(0, "port for the launched engine (0: a free one)")
+    vllm_url: list[str] | None = option(None, "attach to a running vLLM instead of launching one for --model; "
+                                              "repeat for several engines behind one proxy (each rollout pinned "
+                                              "to one, every sync to all)", repeat=True)
+    engines: int = option(1, "engines to launch (not with --vllm-url): one per GPU (CUDA_VISIBLE_DEVICES=i), "
+                             "else side by side on the CPU; each rollout pinned to one, every sync to all")
+    engine_port: int = option(0, "port for the launched engine, the next ones on the following ports (0: free "
+                                 "ones)")
     proxy_port: int = option(0, "port for the capture proxy (0: a free one)")
     sandbox: str = option("local", "local (bubblewrap), e2b, docker or harbor[:ENV]")
     public_url: str | None = option(None, "URL at which remote sandboxes (e2b) reach the proxy; the proxy then "
@@ -44,3 +49,12 @@ class RolloutConfig:
                                              "(mini-swe-agent, opencode: a short prompt), bare (claude-code), or "
                                              "a file: mini-swe-agent YAML or opencode.json, merged in")
     reward_key: str = option("reward", "key of the verifier's reward.json")
+
+    def __post_init__(self):
+        if isinstance(self.vllm_url, str):  # one URL (the Python API, a YAML value), or "URL,URL"
+            self.vllm_url = [u.strip() for u in self.vllm_url.split(",") if u.strip()]
+        if self.engines < 1:
+            raise ValueError(f"--engines {self.engines}: give 1 or more")
+        if self.engines > 1 and self.vllm_url:
+            raise ValueError("--engines launches engines and --vllm-url attaches to running ones: give one of them "
+                             "(repeat --vllm-url for several running engines)")

@@ -1,6 +1,6 @@
 """What a run stands on, built one way for training, eval and white-box runs:
 
-    engine (launched for a model folder, or attached by --vllm-url)
+    engine (launched for a model folder, --engines N of them, or attached by --vllm-url, repeated for several)
       [<- the oracle upstream: each task's known solution, for eval --policy oracle]
       <- capture proxy (journal and log in the output folder)
       -> a session factory over the proxy: agents in sandboxes (LocalSessionFactory) or a white-box
@@ -57,14 +57,18 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
     with those tasks' solutions. `supervise`: a server of ours that dies is started again on its port (the
     trainer waits for it and puts back what it lost, serving/supervise.py)."""
     with contextlib.ExitStack() as stack:
-        if cfg.vllm_url:
-            engine = VLLMServer.attach(cfg.vllm_url)
-        else:
-            engine = stack.enter_context(VLLMServer(EngineConfig(
-                model=str(model.path), served_model_name=model.name, port=cfg.engine_port, log_path=out / "vllm.log",
-                max_model_len=cfg.max_model_len, tool_call_parser=cfg.tool_call_parser,
-                reasoning_parser=cfg.reasoning_parser, lora_rank=lora_rank, max_loras=max_loras)))
-        upstream = engine.url
+        engines = []
+        if cfg.vllm_url:  # several: the first answers for all (they serve the same model); the proxy uses each
+            engine = VLLMServer.attach(cfg.vllm_url[0])
+        else:  # --engines N: one per GPU where there are N, else side by side on the CPU
+            for i in range(cfg.engines):
+                engines.append(stack.enter_context(VLLMServer(EngineConfig(
+                    model=str(model.path), served_model_name=model.name, port=cfg.engine_port + i if cfg.engine_port
+                    else 0, log_path=out / (f"vllm{i}.log" if i else "vllm.log"), max_model_len=cfg.max_model_len,
+                    tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser, lora_rank=lora_rank,
+                    max_loras=max_loras, devices=str(i) if cfg.engines > 1 else None))))
+            engine = engines[0]
+        upstream = [engine.url, *(cfg.vllm_url or [])[1:], *(e.url for e in engines[1:])]
         if oracle_tasks is not None:
             from harness_trainer.rollouts.oracle import OracleUpstream
 
@@ -76,8 +80,8 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
         supervisor = None
         if supervise:
             watched = {"the capture proxy": (proxy.managed, proxy.startup_timeout_s)}
-            if not cfg.vllm_url:
-                watched["vLLM"] = (engine.managed, engine.cfg.startup_timeout_s)
+            for i, launched in enumerate(engines):
+                watched[f"vLLM {i}" if i else "vLLM"] = (launched.managed, launched.cfg.startup_timeout_s)
             supervisor = stack.enter_context(Supervisor(watched))
         yield Services(engine, proxy, session_factory(cfg, proxy.client, environment, rollouts_dir), supervisor)
 

@@ -14,7 +14,8 @@ The contract the trainer uses, shaped like OpenEnv's so its `HarborSessionFactor
     cancelled      stopped by the trainer because its policy became too stale: not verified, not trained
     timeout        the agent was killed at its timeout: captured turns and the verifier's score are kept
     unscorable     sandbox / agent start / transport failure (the agent's own report of a model API error
-                   included), or the verifier could not score: reward None
+                   included), its engine lost under it (several engines: proxy/engines.py), or the verifier
+                   could not score: reward None
 A capture that breaks the trace contract is no status: run_rollout raises CaptureContractError, which stops
 training.
 """
@@ -35,6 +36,7 @@ from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError, ma
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
 from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
+from harness_trainer.proxy.engines import ENGINE_LOST
 
 
 class CaptureContractError(RuntimeError):
@@ -276,14 +278,18 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
                 reason = f"nothing trainable was captured: {exc}"
             except ProxyError as exc:
                 reason = f"could not fetch the trace: {exc}"
-        if not reason and (stops := session.proxy_stops()):  # the agent was stopped cleanly: say why
+        stops = session.proxy_stops()
+        lost = next((s for s in stops if s.startswith(ENGINE_LOST)), None)  # its engine died under it
+        if lost:
+            reason = lost
+        elif not reason and stops:  # the agent was stopped cleanly: say why
             reason = "stopped by the capture proxy: " + "; ".join(stops)
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
             reason = _exit_reason(exit_code)
         reason = reason or getattr(session, "end_reason", "")  # a white-box episode cut by its limits
         verified = session.verify(session.report.completion)
         calls = session.rollout_calls() if hasattr(session, "rollout_calls") else []
-        if session.error:
+        if session.error or lost:
             status = "unscorable"
         elif verified.env_reward is None and not verified.metrics.get("scored_later"):
             status, reason = "unscorable", reason or verified.metrics.get("verifier", "")

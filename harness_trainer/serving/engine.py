@@ -56,6 +56,7 @@ class EngineConfig:
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu: bool | None = None  # None: detect
     extra_args: list[str] = field(default_factory=list)
+    devices: str | None = None  # GPU only: CUDA_VISIBLE_DEVICES for this engine (one engine of several)
     lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (serving/weight_sync.py)
     max_loras: int = 4  # adapters held at once: at least max_staleness + 2
     startup_timeout_s: float = 300.0
@@ -106,6 +107,8 @@ def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
     })
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    if cfg.devices is not None and (cfg.gpu or (cfg.gpu is None and gpu_available())):
+        env["CUDA_VISIBLE_DEVICES"] = cfg.devices
     if cfg.lora_rank:
         from harness_trainer.serving.weight_sync import ENGINE_ENV
 

@@ -60,8 +60,11 @@ def make_weight_sync(backend: str, url: str, timeout_s: float = 120.0) -> Weight
 
 
 def ram_dir(prefix: str = "harness-weights-") -> Path:
-    """A fresh directory on a RAM-backed filesystem when there is one (/dev/shm), else the temp dir."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    """A fresh directory for one sync's files: under $HARNESS_WEIGHTS_DIR when set (engines on other hosts read
+    the path they are given: it must be storage they mount at the same path), else on a RAM-backed filesystem
+    when there is one (/dev/shm), else the temp dir."""
+    base = os.environ.get("HARNESS_WEIGHTS_DIR") or (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 

@@ -90,6 +90,8 @@ class AsyncGRPOConfig:
                                                       '--output-dir)')
 
     def __post_init__(self):
+        if hasattr(super(), "__post_init__"):  # a run's config inherits the rollout settings' too
+            super().__post_init__()
         if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
         if self.step_clip_mode not in ("probability", "ratio"):

