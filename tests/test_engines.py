@@ -71,6 +71,13 @@ def finished_requests(url: str) -> float:
     return prometheus_total(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:request_success") or 0.0
 
 
+def running_requests(url: str) -> float:
+    try:
+        return prometheus_total(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:num_requests_running") or 0.0
+    except httpx.HTTPError:
+        return 0.0
+
+
 def converse(session: dict, turns: int) -> None:
     """A multi-turn rollout: each call resends the whole history, as agents do."""
     messages = list(MESSAGES)
@@ -112,19 +119,27 @@ def test_a_lost_engine_ends_its_rollouts_and_comes_back_only_with_the_policy(fre
         assert (kept["upstream"], doomed["upstream"]) == (engine.url, second_engine.url)
         assert post(doomed, MESSAGES).status_code == 200  # a finished turn, captured before the engine dies
 
-        # A long call in flight on the second engine when it is killed.
-        answers: list[httpx.Response] = []
-        call = threading.Thread(target=lambda: answers.append(post(doomed, MESSAGES, max_tokens=3000,
-                                                                   min_tokens=3000)))
+        # A long streamed call on the second engine, killed once its first tokens have arrived.
+        started, events = threading.Event(), []
+
+        def long_call() -> None:
+            with httpx.stream("POST", doomed["base_url"] + "/chat/completions", timeout=120,
+                              headers={"authorization": f"Bearer {doomed['api_key']}"},
+                              json={"messages": MESSAGES, "max_tokens": 3000, "min_tokens": 3000,
+                                    "stream": True}) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+            started.set()
+
+        call = threading.Thread(target=long_call)
         call.start()
-        deadline = time.monotonic() + 60
-        while not any(e["in_flight"] for e in proxy.client.engines() if e["url"] == second_engine.url):
-            assert time.monotonic() < deadline and not answers, \
-                f"the long call never showed in flight: {[(a.status_code, a.text[:300]) for a in answers]}"
-            time.sleep(0.2)
+        assert started.wait(60) and events, "the long call never started streaming"
         kill_group(second_engine.managed.process)
         call.join(120)
-        assert answers and answers[0].status_code != 200  # the agent is told; nothing pretends to be an answer
+        assert events[-1] != "[DONE]" and "error" in events[-1]  # the agent is told; no answer pretends to end
+        time.sleep(1)  # the proxy's check of the engine runs as the stream ends
 
         state = proxy.client.session(doomed["id"])
         assert any(stop.startswith(ENGINE_LOST) for stop in state["stops"]), state["stops"]
@@ -173,3 +188,37 @@ def test_harness_train_over_two_engines_syncs_both(fresh_engine, second_engine, 
     assert {last["engine0/url"], last["engine1/url"]} == {fresh_engine.url, second_engine.url}
     assert last["engine0/sessions"] > 0 and last["engine1/sessions"] > 0  # both sampled rollouts
     assert last["engine0/state"] == last["engine1/state"] == "ready"
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_run_and_the_run_finishes(fresh_engine, second_engine, tmp_path):
+    """`harness-train` over two engines, the second SIGKILLed once rollouts are under way: its rollouts end
+    `unscorable` ("engine lost"), the run trains every step on the other, and every finished call is journaled."""
+    import subprocess
+    import sys
+
+    from conftest import SMOKE_FLAGS
+
+    out = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "harness_trainer.commands.cli", *SMOKE_FLAGS, "--max-steps", "4",
+                            "--max-concurrent-rollouts", "4", "--report-to", "none", "--vllm-url", fresh_engine.url,
+                            "--vllm-url", second_engine.url, "--output-dir", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not running_requests(second_engine.url):  # killed with a rollout's call on it
+            assert run.poll() is None and time.monotonic() < deadline, "no call ever ran on the second engine"
+            time.sleep(0.05)
+        kill_group(second_engine.managed.process)
+        _, err = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert steps[-1]["step"] == 4 and steps[-1]["engine1/state"] == "lost"
+    lost = [r for r in records if ENGINE_LOST in (r.get("reason") or "")]
+    assert lost and all(r["status"] == "unscorable" for r in lost)
+    traced = {turn["metadata"]["episode_id"] for line in (out / "traces.jsonl").read_text().splitlines()
+              for turn in json.loads(line)["turns"]}
+    assert {r["episode_id"] for r in records if r.get("calls")} <= traced  # every finished call kept

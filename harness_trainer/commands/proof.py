@@ -5,7 +5,8 @@
 
     (a) eval the base model on the held-out toy tasks
     (b) collect solver traces on the training tasks: the oracle policy, two attempts per task, one of them
-        with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0)
+        with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0); through
+        opencode three attempts, two of them with the slip
     (c) SFT on those traces (TRL SFTTrainer, exact captured ids)       (d) eval
     (e) GRPO from the SFT model with `harness-train`'s run_training     (f) eval
     then the table (model, wins with a 95% interval, tries per win, invalid tool calls, model calls made for
@@ -15,7 +16,7 @@
     each in grpo-seedN/, with the mean and spread of the gain over SFT (how the stage's stability is measured).
 
 What each stage can learn, by design: SFT learns the tool-call format and to copy the word and the file from
-the instruction (which carries over to held-out pairs), and the solver's coin flip between `>` and the slip
+the instruction (which carries over to held-out pairs), and the solver's choice between `>` and the slip
 (which it cannot tell apart: both are in the data, for every task). Only the reward separates them, so that is
 what is left for GRPO, and since the slip is one decision shared by every task, fixing it on training tasks
 fixes it on held-out ones. Rollouts and evals sample at temperature 0.7, for all three models alike.
@@ -24,8 +25,10 @@ Through opencode the same tasks meet JSON tool calls and a title call per rollou
 never trained: the table counts them), with opencode's compact config (a short agent prompt, the bash tool
 only), as mini-swe-agent runs with its compact prompt: through opencode's own 3.4k-token prompt the tiny random
 model's SFT never learnt to copy the instruction's word and file (`--agent-config full` runs it so). Its recipe
-(RECIPES) is mini-swe-agent's, its SFT packed as one prefix tree a batch (the same loss as TRL's rows);
-opencode asks for a final answer after the submit command, so each rollout makes one more model call.
+(RECIPES) differs from mini-swe-agent's in two things: its SFT is packed as one prefix tree a batch (the same
+loss as TRL's rows), and its solver slips in 2 of 3 attempts, not 1 of 2 (with 1 of 2 its SFT model already won
+23/32 and left GRPO too little to show). opencode asks for a final answer after the submit command, so each
+rollout makes one more model call.
 
 One engine serves every stage; between stages the weights under evaluation are reloaded into it.
 """

@@ -16,6 +16,7 @@ A finished call is journaled before the agent receives the answer's last byte. W
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from harness_trainer.proxy.capture import (Completion, PolicyRefusal, SamplingPo
 from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.dialects import dialect_for
-from harness_trainer.proxy.engines import ENGINE_LOST, HEALTH_EVERY_S, EnginePool
+from harness_trainer.proxy.engines import ENGINE_LOST, HEALTH_EVERY_S, EnginePool, NoEngine
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
 from harness_trainer.proxy.rollout import Call, Session
 from harness_trainer.proxy.store import SessionStore
@@ -247,7 +248,10 @@ class CaptureAddon:
             flow.response = json_response(400, dialect.error(400, f"invalid {dialect.name} request: {exc}"))
             return
         stream = dialect.wants_stream(asked)
-        if self.several and self.pool.is_lost(session.upstream):  # never moved: the rollout ends here
+        if self.several and self.pool.is_lost(session.upstream) and not session.started_calls:
+            with contextlib.suppress(NoEngine):  # lost before its first call: nothing to move, another takes it
+                self.store.move(session, self.pool.pick())
+        if self.several and self.pool.is_lost(session.upstream):  # mid-rollout: never moved, it ends here
             flow.response = self.stop_response(dialect, asked, session, "The engine was lost; stopping.", stream,
                                                f"{ENGINE_LOST}: {self.pool.get(session.upstream).why}")
             return

@@ -5,6 +5,7 @@ journal/<session id>.jsonl holds one JSON record a line:
   {"t": "call", ...}                  one finished model call, written and fsynced before the agent gets the
                                       answer's last byte
   {"t": "version", "policy_version", "model"}  the trainer moved the session to a new policy version
+  {"t": "upstream", "upstream"}       its engine was lost before its first call: pinned to another
 A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept.
 journal/policy.json holds the trainer's latest version and model (POST /policy_version), replaced atomically, so
 a restarted proxy stamps new sessions as the trainer left it, even with no session alive.
@@ -72,6 +73,8 @@ class SessionStore:
                     session = Session(**record)
                 elif kind == "call" and session:
                     session.calls.append(Call(**record))
+                elif kind == "upstream" and session:
+                    session.upstream = record["upstream"]
                 elif kind == "stop" and session:
                     session.stops.append(record["why"])
                 elif kind == "version" and session:
@@ -114,6 +117,11 @@ class SessionStore:
         """From now on the session's calls are stamped `version` and sent to `model` (None: its served model)."""
         session.policy_version, session.sampling_model = version, model
         self._append(session.id, {"t": "version", "policy_version": version, "model": session.sampling_model})
+
+    def move(self, session: Session, upstream: str) -> None:
+        """Pin a session that has made no call yet to another engine (its own was lost)."""
+        session.upstream = upstream
+        self._append(session.id, {"t": "upstream", "upstream": upstream})
 
     def delete(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id, None)
