@@ -21,7 +21,7 @@ test-reliability: setup
 test-all: setup
 	@bash scripts/test_all.sh
 
-# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~9 min; opencode ~25)
+# The learning proof on the embedded default: base -> SFT -> SFT+GRPO, real agents and sandboxes (~9 min; opencode ~30)
 # (mini-swe-agent; `make demo HARNESS=opencode` through opencode, into runs/demo-opencode).
 HARNESS ?= mini-swe-agent
 DEMO_DIR := runs/demo$(if $(filter mini-swe-agent,$(HARNESS)),,-$(HARNESS))
