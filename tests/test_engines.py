@@ -222,3 +222,17 @@ def test_an_engine_killed_mid_run_and_the_run_finishes(fresh_engine, second_engi
     traced = {turn["metadata"]["episode_id"] for line in (out / "traces.jsonl").read_text().splitlines()
               for turn in json.loads(line)["turns"]}
     assert {r["episode_id"] for r in records if r.get("calls")} <= traced  # every finished call kept
+
+
+@pytest.mark.slow
+def test_eval_launches_two_engines_and_uses_both(tmp_path):
+    """`--engines 2`: two engines of the embedded default launched side by side, the proxy over both, rollouts of
+    the tiny model on each (each engine's own log shows chat calls), both stopped at the end."""
+    from harness_trainer.commands.evaluate import EvalConfig, evaluate
+
+    summary, records = evaluate(EvalConfig(dataset="builtin:toy-heldout", limit=4, num_generations=2, engines=2,
+                                           max_concurrent_rollouts=4, agent_step_limit=2, max_completion_tokens=32,
+                                           output_dir=str(tmp_path)))
+    assert summary.rollouts == 8 and summary.unscorable == 0, [(r.status, r.reason) for r in records]
+    for log in ("vllm.log", "vllm1.log"):
+        assert "POST /v1/chat/completions" in (tmp_path / log).read_text(), log

