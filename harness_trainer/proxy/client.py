@@ -90,7 +90,8 @@ class ProxyClient:
 class ProxyServer:
     """The capture proxy as a supervised subprocess in its own environment."""
 
-    def __init__(self, upstream: str | list[str], *, port: int = 0, forward_port: int | None = None, host: str = "127.0.0.1",
+    def __init__(self, upstream: str | list[str], *, port: int = 0, forward_port: int | None = None,
+                 host: str = "127.0.0.1",
                  journal: str | Path | None = None, admin_key: str | None = None, model: str | None = None,
                  confdir: str | Path | None = None, log_path: str | Path | None = None,
                  startup_timeout_s: float = 30.0):
@@ -103,7 +104,8 @@ class ProxyServer:
         self.confdir = Path(confdir) if confdir else tmp / "conf"
         upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
         command = [proxy_python(), "-m", "harness_trainer.proxy.server",
-                   *(arg for url in upstreams for arg in ("--upstream", url)), "--port", str(self.port), "--host", host, "--confdir", str(self.confdir)]
+                   *(arg for url in upstreams for arg in ("--upstream", url)),
+                   "--port", str(self.port), "--host", host, "--confdir", str(self.confdir)]
         if forward_port:
             command += ["--forward-port", str(forward_port)]
         if journal:

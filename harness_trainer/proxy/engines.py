@@ -106,14 +106,15 @@ class EnginePool:
     async def check(self, http: httpx.AsyncClient, url: str, version: int, model: str | None) -> bool:
         """Ask the engine's /health: a silent one is lost; one that answers again is ready only once it serves
         `version` (`model`: its adapter). True: it answered (or it is not one of the pool's)."""
-        if self.get(url) is None:
+        engine = self.get(url)
+        if engine is None:
             return True
         try:
             (await http.get(f"{url}/health", timeout=3.0)).raise_for_status()
         except httpx.HTTPError as exc:
             self.lost(url, f"{url} stopped answering ({type(exc).__name__})")
             return False
-        if (engine := self.get(url)) is not None and engine.state != "ready":
+        if engine.state != "ready":
             self.answered_health(url, await serves_policy(http, url, version, model))
         return True
 

@@ -62,18 +62,21 @@ class PolicySync:
     def _engine_urls(self, url: str, lost_too: bool = False) -> list[str]:
         """The engines to sync: the proxy's when it has several (lost ones only with `lost_too`: they may be
         back), else the trainer's one."""
-        proxy = getattr(self.factory, "proxy", None)
-        engines = proxy.engines() if proxy is not None and hasattr(proxy, "engines") else []
+        engines = self._proxy_engines()
         if len(engines) < 2:
             return [url]
         return [e["url"] for e in engines if lost_too or e["state"] != "lost"] or [url]
 
+    def _proxy_engines(self) -> list[dict]:
+        """The engines behind the run's proxy, as it reports them (none without a proxy)."""
+        proxy = getattr(self.factory, "proxy", None)
+        return proxy.engines() if proxy is not None and hasattr(proxy, "engines") else []
+
     def engine_metrics(self) -> dict:
         """With several engines behind the proxy, each one's figures as engine{i}/{name}: state, sessions, calls,
         tokens, calls in flight and prefix-cache hit rate (vLLM's own counter, since the engine started)."""
-        proxy = getattr(self.factory, "proxy", None)
         try:
-            engines = proxy.engines() if proxy is not None and hasattr(proxy, "engines") else []
+            engines = self._proxy_engines()
         except Exception:  # figures only: never fail a step over them
             return {}
         if len(engines) < 2:
