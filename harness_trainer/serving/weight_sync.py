@@ -40,9 +40,10 @@ class WeightSyncError(RuntimeError):
 class WeightSync(Protocol):
     """One weight-sync backend: the policy into the engine at `url` as `version`."""
 
-    def load(self, model, version: int) -> str | None:
-        """Put `model` (a PeftModel for lora) into the engine as `version`; returns the model name the engine
-        now serves it under, or None when it is the engine's own name."""
+    def load(self, model, version: int, state_dict: dict | None = None) -> str | None:
+        """Put `model` (a PeftModel for lora) into the engine as `version` (`state_dict`: its weights when the
+        model does not hold them whole: FSDP shards); returns the model name the engine now serves it under, or
+        None when it is the engine's own name."""
 
     def unload_idle(self, oldest_kept: int, in_flight: dict[str, int]) -> list[int]:
         """Release versions older than `oldest_kept` that no call in flight samples from; returns them."""
@@ -68,15 +69,17 @@ def ram_dir(prefix: str = "harness-weights-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
-def save_weights(model, directory: str | Path) -> Path:
-    """Write a model's weights (+config) as a Hugging Face checkpoint vLLM can reload from. A tied lm_head is
-    written as a weight of its own too: the engine serves tied models untied (models/untie.py)."""
+def save_weights(model, directory: str | Path, state_dict: dict | None = None) -> Path:
+    """Write a model's weights (+config) as a Hugging Face checkpoint vLLM can reload from (`state_dict`: the
+    weights, when the model does not hold them whole). A tied lm_head is written as a weight of its own too: the
+    engine serves tied models untied (models/untie.py)."""
     directory = Path(directory)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     if getattr(model.config, "tie_word_embeddings", False):
         from safetensors.torch import save_file
 
-        head = model.get_output_embeddings().weight.detach().contiguous().cpu()
+        head = (state_dict.get("lm_head.weight", state_dict["model.embed_tokens.weight"]) if state_dict else
+                model.get_output_embeddings().weight).detach().contiguous().cpu()
         save_file({"lm_head.weight": head}, str(directory / HEAD_FILE))
     return directory
 
@@ -143,10 +146,10 @@ class ReloadSync:
     def __init__(self, url: str, timeout_s: float = 120.0):
         self.url, self.timeout_s = url, timeout_s
 
-    def load(self, model, version: int) -> None:
+    def load(self, model, version: int, state_dict: dict | None = None) -> None:
         directory = ram_dir()
         try:
-            save_weights(model, directory)
+            save_weights(model, directory, state_dict)
             reload_weights(self.url, directory, version=version, timeout_s=self.timeout_s)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
@@ -196,7 +199,7 @@ class LoraSync:
             raise WeightSyncError(f"weight sync step '{step}': the engine has no {route} route: {ENGINE_FLAGS_HINT}")
         return response
 
-    def load(self, peft_model, version: int) -> str:
+    def load(self, peft_model, version: int, state_dict: dict | None = None) -> str:
         """Save the adapter and load it as `policy-v{version}`; returns the name."""
         name, directory = adapter_name(version), ram_dir(f"harness-lora-v{version}-")
         peft_model.save_pretrained(directory)

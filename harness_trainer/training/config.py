@@ -59,9 +59,16 @@ class AsyncGRPOConfig:
     # memory and precision
     max_tokens_per_microbatch: int | None = option(16384, "tokens of the packed prefix tree per forward/backward: "
                                                           "bounds a step's memory (none: the whole tree at once)")
-    dtype: str = option("float32", "weights' dtype in the trainer: float32, or bfloat16 / float16 on GPU "
-                                   "(logprobs are float32 either way)")
-    gradient_checkpointing: bool = option(False, "recompute each layer in the backward: less memory, more time")
+    dtype: str = option("auto", "weights' dtype in the trainer: auto (bfloat16 on GPU, float32 on the CPU), "
+                                "float32, bfloat16 or float16 (logprobs are float32 either way)")
+    gradient_checkpointing: bool | None = option(None, "recompute each layer in the backward: less memory, more "
+                                                       "time (default: on with --distributed fsdp on GPU)")
+    # devices (serving/placement.py, training/sharding.py)
+    trainer_gpus: str | None = option(None, "GPU indices the trainer's ranks take, e.g. 1,2,3 (default: the ones "
+                                            "the engine does not; with one GPU, shared with the engine)")
+    distributed: str = option("ddp", "with several trainer ranks: ddp (every rank holds the whole model) or fsdp "
+                                     "(FSDP2: weights, gradients and optimizer state sharded; bf16 mixed precision "
+                                     "on GPU)")
     # LoRA (training/lora.py)
     use_peft: bool = option(False, "train a LoRA adapter, synced into vLLM by name (policy-vN), not every weight")
     lora_rank: int = option(16, "LoRA rank r")
@@ -71,8 +78,9 @@ class AsyncGRPOConfig:
                                                          "and MLP projections)")
     # the weight sync (serving/weight_sync.py, training/policy_sync.py)
     weight_sync_steps: int = option(1, "steps between weight syncs into vLLM")
-    weight_sync_backend: str | None = option(None, "reload (any vLLM, CPU included), lora or nccl (GPU); "
-                                                   "default: lora with --use-peft, else reload")
+    weight_sync_backend: str | None = option(None, "reload (any vLLM, CPU included), lora, nccl (GPU to "
+                                                   "GPU) or ipc (one GPU shared); default: lora with --use-peft, "
+                                                   "else the placement's (serving/placement.py)")
     weight_sync_timeout_s: float = option(120.0, "seconds each weight-sync request may take")
     probe_tolerance: float | None = option(None, "largest logprob gap vLLM vs trainer after a sync (default: 1e-3 "
                                                  "in float32, 5e-2 in 16-bit)")
@@ -94,6 +102,8 @@ class AsyncGRPOConfig:
             super().__post_init__()
         if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+        if self.distributed not in ("ddp", "fsdp"):
+            raise ValueError(f"--distributed {self.distributed}: choose ddp or fsdp")
         if self.step_clip_mode not in ("probability", "ratio"):
             raise ValueError(f"unknown step_clip_mode '{self.step_clip_mode}': choose probability or ratio")
 

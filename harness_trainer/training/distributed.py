@@ -13,13 +13,25 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed() -> tuple[int, int]:
+def trainer_device(args) -> torch.device:
+    """This rank's device: its GPU in the placement (serving/placement.py: --trainer-gpus, else the GPUs the
+    engine does not take, else the engine's one), or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from harness_trainer.serving.placement import plan_placement
+
+    placement = plan_placement(tuple(str(i) for i in range(torch.cuda.device_count())),
+                               getattr(args, "engine_gpus", None), args.trainer_gpus, getattr(args, "engines", 1))
+    return torch.device("cuda", placement.trainer_device(int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
     """(rank, world size): from the launcher's environment (accelerate launch, torchrun), else (0, 1)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # before the process group: NCCL binds to the current device
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
@@ -48,3 +60,48 @@ def all_reduce(tensor: torch.Tensor, world_size: int, op: str = "sum") -> torch.
     if world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor
+
+
+class Ranks:
+    """A mixin of the trainer: rank 0 leads (rollouts, syncs, saves), the other ranks follow its broadcasts.
+    With FSDP (training/sharding.py) some of rank 0's work needs every rank's shard: the whole model's weights
+    (a sync, a saved folder), the optimizer's state (a checkpoint), a forward (the probe). Rank 0 then
+    broadcasts the work's name and the others, waiting between steps, join in (`_together`)."""
+
+    leading = False  # rank 0 inside its loop: the others are in _follow and must be called in
+
+    def _follow(self) -> list[dict]:
+        """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
+        while (message := broadcast(None)) is not None:
+            if isinstance(message, str):
+                self._together(message)
+            else:
+                self._train_on(message)
+                self.step += 1
+        return self.history
+
+    def _together(self, work: str):
+        """`work` ("weights", "optimizer" or "probe") computed by every rank at once; rank 0's result."""
+        from harness_trainer.training.sharding import full_optimizer_state, full_state_dict
+
+        if self.rank == 0 and self.leading and self.world_size > 1:
+            broadcast(work)
+        if work == "weights":
+            return full_state_dict(self.model)
+        if work == "optimizer":
+            return full_optimizer_state(self.model, self.optimizer)
+        if work == "probe":
+            return self._probe_logits()
+        raise ValueError(f"unknown collective work '{work}'")
+
+    def full_weights(self) -> dict | None:
+        """With FSDP the whole model's weights (on rank 0, on the CPU; every rank must take part), else None:
+        the model holds them."""
+        from harness_trainer.training.sharding import is_sharded
+
+        return self._together("weights") if is_sharded(self.model) else None
+
+    def optimizer_state(self) -> dict:
+        from harness_trainer.training.sharding import is_sharded
+
+        return self._together("optimizer") if is_sharded(self.model) else self.optimizer.state_dict()

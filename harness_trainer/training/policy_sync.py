@@ -25,9 +25,11 @@ import torch
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.supervise import ServiceDown, wait_for
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
+from harness_trainer.training.sharding import gathered, is_sharded
 
 log = logging.getLogger("harness_trainer")
 PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights
+PROBE_IDS = [1, 10, 20, 30, 40, 50, 60, 70, 2]  # a fixed sequence both sides score after each sync
 
 
 class TrainingStopped(RuntimeError):
@@ -41,8 +43,9 @@ class PolicySync:
             raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
         started, version = time.perf_counter(), self.version + 1
         urls = self._engine_urls(url)
+        weights = self.full_weights()  # FSDP: gathered once from every rank (training/distributed.py), else None
         with ThreadPoolExecutor(min(len(urls), PARALLEL_SYNCS)) as pool:
-            names = list(pool.map(lambda u: self._sync_one(u, version), urls))
+            names = list(pool.map(lambda u: self._sync_one(u, version, weights), urls))
         synced = [(u, n) for u, n in zip(urls, names) if n is not False]
         if not synced:
             raise TrainingStopped(f"weight sync at step {self.step}: no engine could take version {version}")
@@ -85,11 +88,11 @@ class PolicySync:
                 for key in ("url", "state", "sessions", "calls", "in_flight", "prompt_tokens", "completion_tokens",
                             "prefix_cache_hit_rate")}
 
-    def _sync_one(self, url: str, version: int):
+    def _sync_one(self, url: str, version: int, weights: dict | None = None):
         """Load `version` into one engine; returns its served name, or False when, among several, that engine
         went away during the sync (the proxy fences it; it is synced again when it answers)."""
         try:
-            return self._load_weights(url, version)
+            return self._load_weights(url, version, weights)
         except WeightSyncError as exc:
             if len(self._engine_urls(url, lost_too=True)) > 1 and not _answers(url):
                 log.warning("step %d: engine %s went away during the weight sync (%s); the run goes on with the "
@@ -104,11 +107,13 @@ class PolicySync:
         except WeightSyncError as exc:
             raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
 
-    def _load_weights(self, url: str, version: int) -> str | None:
-        """The policy into the engine as `version`; returns the name it is served under (a LoRA adapter's)."""
+    def _load_weights(self, url: str, version: int, weights: dict | None = None) -> str | None:
+        """The policy into the engine as `version` (`weights`: the whole model's, gathered, with FSDP); returns
+        the name it is served under (a LoRA adapter's)."""
         if url not in self.weight_syncs:
             self.weight_syncs[url] = make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
-        return self.weight_syncs[url].load(self.peft if self.peft is not None else self.model, version)
+        return self.weight_syncs[url].load(self.peft if self.peft is not None else self.model, version,
+                                           state_dict=weights)
 
     def _ensure_services(self) -> bool:
         """Before a step is trained, the proxy and the engine must answer (each waited for up to
@@ -134,7 +139,8 @@ class PolicySync:
                     engines = [u for u in engines if _answers(u)]
                 for engine in engines:
                     if not self._engine_serves_policy(engine):
-                        self._sync_step(lambda: self._load_weights(engine, self.version))
+                        weights = self.full_weights()
+                        self._sync_step(lambda: self._load_weights(engine, self.version, weights))
                         self._probe(engine, self.served_name)
                         put_back.append(f"the engine at {engine} restarted without the policy: version "
                                         f"{self.version} synced again")
@@ -158,12 +164,9 @@ class PolicySync:
 
     def _probe(self, url: str, model: str | None = None) -> None:
         """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""
-        ids = [1, 10, 20, 30, 40, 50, 60, 70, 2]
-        served = torch.tensor(teacher_forced_logprobs(url, ids, model=model))
-        with torch.no_grad():
-            self.model.eval()
-            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].cpu()
-            ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        served = torch.tensor(teacher_forced_logprobs(url, PROBE_IDS, model=model))
+        logits = self._together("probe") if is_sharded(self.model) else self._probe_logits()
+        ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(PROBE_IDS[1:])[:, None])[:, 0]
         gap = float((served.double() - ours).abs().max())
         tolerance = self.args.probe_tolerance
         if tolerance is None:  # what "the same weights" can mean at this precision
@@ -175,6 +178,13 @@ class PolicySync:
             raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
                                   f"by {gap:.2e} (> {tolerance}): the engine did not take the weights.{hint}")
         self.last_probe_gap = gap
+
+
+    def _probe_logits(self) -> torch.Tensor:
+        """The trainer's logits along PROBE_IDS (with FSDP every rank runs this forward at once)."""
+        with torch.no_grad(), gathered(self.model):
+            self.model.eval()
+            return self.model(torch.tensor([PROBE_IDS], device=self.device)).logits[0, :-1].float().cpu()
 
 
 def _any_answers(urls: list[str]) -> None:

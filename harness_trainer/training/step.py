@@ -25,6 +25,7 @@ from harness_trainer.traces.files import TrainingTrace
 from harness_trainer.training.distributed import all_reduce, all_reduce_gradients
 from harness_trainer.training.grpo import group_advantages, policy_loss
 from harness_trainer.training.packing import chains_from_trace, pack
+from harness_trainer.training.sharding import gathered, is_sharded
 from harness_trainer.training.tree_forward import plan_ranges, tree_backward, tree_logprobs
 from harness_trainer.training.trust_region import bound_step, room_in
 
@@ -74,28 +75,37 @@ class GRPOStep:
         self.model.train()
         self.optimizer.zero_grad()
         loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
-        if chains and (packed := pack(chains)).trained.any():
-            tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
-            adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
-            behaviour = tree.behaviour[tree.trained].to(self.device)
-            reference = None
-            if self.args.kl_beta:
-                with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
-                    reference = tree_logprobs(self.ref_model or self.model, tree, temperature, max_tokens=budget)
+        packed = pack(chains) if chains else None
+        with gathered(self.model, train=True):  # FSDP: the whole model here, gradients reduced on the way out
+            if packed is not None and packed.trained.any():
+                tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
+                adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
+                behaviour = tree.behaviour[tree.trained].to(self.device)
+                reference = None
+                if self.args.kl_beta:
+                    with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
+                        with gathered(self.ref_model):
+                            reference = tree_logprobs(self.ref_model or self.model, tree, temperature,
+                                                      max_tokens=budget)
 
-            def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-                # One update per batch: the proximal policy is the model as it is now, so its logprobs are
-                # this forward's own, detached (no separate forward for them).
-                return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
-                                   proximal=logp_part.detach(),
-                                   reference=None if reference is None else reference[index])[0]
+                def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                    # One update per batch: the proximal policy is the model as it is now, so its logprobs are
+                    # this forward's own, detached (no separate forward for them).
+                    return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
+                                       proximal=logp_part.detach(),
+                                       reference=None if reference is None else reference[index])[0]
 
-            logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
-            loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp, reference=reference)
-            stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
-                      "entropy_max": float(entropy.max()),
-                      "microbatches": len(plan_ranges(tree, budget))}
-        if self.world_size > 1:
+                logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
+                loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp,
+                                          reference=reference)
+                stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
+                          "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
+            elif self.args.kl_beta:
+                with gathered(self.ref_model):  # its all-gather is collective: a rank with nothing takes part
+                    pass
+        if is_sharded(self.model):
+            loss = all_reduce(loss.detach(), self.world_size)  # the gradients were reduce-scattered
+        elif self.world_size > 1:
             loss = all_reduce_gradients(self.model, loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.args.max_grad_norm)
         for param_group in self.optimizer.param_groups:
@@ -108,6 +118,8 @@ class GRPOStep:
             stats |= bound_step(self.params, before, lambda: self._step_change(tree, old),
                                 lambda change: room_in(change, self.args.step_clip, self.args.max_step_kl,
                                                        self.args.step_clip_mode))
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every rank's shard
+            grad_norm = grad_norm.full_tensor()
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                                   "trained_tokens": total}
 
@@ -116,10 +128,10 @@ class GRPOStep:
         after), the smallest and largest ratio p_after / p_before, and the largest |p_after - p_before|."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         extremes = torch.full((3,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r; |dp|
+        with torch.no_grad(), gathered(self.model):  # FSDP: every rank gathers, whether it has a tree or not
+            new = None if tree is None else tree_logprobs(self.model, tree, self.args.temperature,
+                                                          max_tokens=self.args.max_tokens_per_microbatch).double()
         if tree is not None:
-            with torch.no_grad():
-                new = tree_logprobs(self.model, tree, self.args.temperature,
-                                    max_tokens=self.args.max_tokens_per_microbatch).double()
             diff = new - old.double()
             sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
             extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max(),

@@ -57,10 +57,11 @@ from harness_trainer.rollouts.tasks import Task
 from harness_trainer.serving.weight_sync import WeightSync
 from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
 from harness_trainer.training.config import AsyncGRPOConfig
-from harness_trainer.training.distributed import broadcast, init_distributed
+from harness_trainer.training.distributed import Ranks, broadcast, init_distributed, trainer_device
 from harness_trainer.training.grpo import LossConfig
 from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
 from harness_trainer.training.policy_sync import PolicySync, TrainingStopped
+from harness_trainer.training.sharding import shard_model
 from harness_trainer.training.step import GRPOStep
 from harness_trainer.training.trust_region import StabilityMonitor
 from harness_trainer.training.tree_attention import use_tree_attention
@@ -68,7 +69,7 @@ from harness_trainer.training.tree_attention import use_tree_attention
 log = logging.getLogger("harness_trainer")
 
 
-class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
+class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
     def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
                  train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
                  environment_factory=None, reward_funcs=None):
@@ -82,21 +83,20 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         args = args or AsyncGRPOConfig()
         self.args = args
         self.backend = args.weight_sync_backend or ("lora" if args.use_peft else "reload")
-        if self.backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("weight_sync_backend='nccl' streams weights GPU to GPU and needs CUDA on the trainer and "
-                             "vLLM on the same host; this machine has no CUDA device. Use weight_sync_backend='reload'.")
-        if self.backend not in ("reload", "lora", "nccl"):
-            raise ValueError(f"unknown weight_sync_backend '{self.backend}': choose reload, lora or nccl")
+        if self.backend not in ("reload", "lora", "nccl", "ipc"):
+            raise ValueError(f"unknown weight_sync_backend '{self.backend}': choose reload, lora, nccl or ipc")
         if (self.backend == "lora") != args.use_peft:
             raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
-                             "full weights by reload")
-        if self.backend == "nccl":
-            raise NotImplementedError("the nccl weight-sync backend is not built yet; use weight_sync_backend='reload', "
-                                      "which works on GPU too")
+                             "full weights by reload, nccl or ipc")
+        if args.use_peft and args.distributed == "fsdp":
+            raise ValueError("use_peft with distributed='fsdp' is not supported: an adapter is small, train it with "
+                             "distributed='ddp'")
+        # One device per rank: the rank's GPU of the placement (serving/placement.py), else the CPU.
+        self.device = trainer_device(args)
+        self.rank, self.world_size = init_distributed(self.device)
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_dtype(args.dtype)) if self.model_dir \
-            else model
-        self.dtype = next(self.model.parameters()).dtype
+        dtype = _dtype(args.dtype, self.device, sharded=args.distributed == "fsdp")
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype) if self.model_dir else model
         # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
         self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
                                                       args.lora_target_modules)) if args.use_peft else None
@@ -104,17 +104,21 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
         self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
         use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
-        if args.gradient_checkpointing:
+        if args.gradient_checkpointing or (args.gradient_checkpointing is None and args.distributed == "fsdp"
+                                           and self.device.type == "cuda"):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.rank, self.world_size = init_distributed()
-        # One device per rank: the rank's GPU where there is one (the engine holds its own), else the CPU.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
         self.model.to(self.device)
         # A frozen copy of the starting policy, only when the loss has a KL term to it (with LoRA: the same
         # model with its adapter disabled).
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) \
             if args.kl_beta and not self.peft else None
+        self.dtype = next(self.model.parameters()).dtype
+        if args.distributed == "fsdp" and self.world_size > 1:  # training/sharding.py
+            mixed = self.device.type == "cuda" and args.dtype == "auto"
+            self.model = shard_model(self.model, mixed_precision=mixed)
+            if self.ref_model is not None:
+                self.ref_model = shard_model(self.ref_model, mixed_precision=mixed)
+            self.dtype = torch.bfloat16 if mixed else self.dtype  # what the forward computes in
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
         self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
         if environment_factory is not None and harness_session_factory is None and self.rank == 0:
@@ -219,7 +223,8 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve (with LoRA: the merged
         model, and the adapter in adapter/)."""
         if self.peft is None:
-            return save_model(self.model, path, self.model_dir)
+            weights = self.full_weights()  # FSDP: gathered from every rank; rank 0 writes
+            return save_model(self.model, path, self.model_dir, state_dict=weights) if self.rank == 0 else Path(path)
         path = save_model(self.model, path, self.model_dir, state_dict=merged_state_dict(self.model))
         self.peft.save_pretrained(path / "adapter")
         return path
@@ -240,9 +245,11 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         if self.rank != 0:
             return self._follow()
         try:
+            self.leading = True
             with self.own_proxy or contextlib.nullcontext():
                 return self._lead()
         finally:
+            self.leading = False
             if self.world_size > 1:
                 broadcast(None)  # releases the other ranks, on success or error
             for sync in self.weight_syncs.values():
@@ -271,13 +278,6 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync):
         self._notify("log", metrics)
         if self.step % args.logging_steps == 0:
             log.info("step %d: %s", self.step, {k: v for k, v in metrics.items() if k != "task"})
-
-    def _follow(self) -> list[dict]:
-        """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
-        while (groups := broadcast(None)) is not None:
-            self._train_on(groups)
-            self.step += 1
-        return self.history
 
     def _lead(self) -> list[dict]:
         args = self.args
@@ -384,10 +384,13 @@ def _schedule(optimizer, args: AsyncGRPOConfig):
     return lambda step: args.learning_rate * factor(step)
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str, device: torch.device, sharded: bool) -> torch.dtype:
+    """auto: bfloat16 on GPU (FSDP keeps float32 masters and computes in bfloat16), float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and not sharded else torch.float32
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
-        raise ValueError(f"dtype '{name}': choose one of {', '.join(dtypes)}")
+        raise ValueError(f"dtype '{name}': choose auto or one of {', '.join(dtypes)}")
     return dtypes[name]
 
 
