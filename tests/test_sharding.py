@@ -90,3 +90,31 @@ def test_fsdp_two_ranks_match_one_and_resume_exactly(tiny_model_dir, tmp_path):
 
     final = load_file(two / "final" / "model.safetensors")
     assert all(torch.equal(final[k], b["weights"][k]) for k in final) and set(final) <= set(b["weights"])
+
+
+def test_one_set_of_services_under_a_launcher(fresh_engine, tiny_model_dir, tmp_path):
+    """`harness-train` under torchrun with 2 CPU ranks and FSDP: rank 0 alone runs the proxy and rollouts (on a
+    fixed --proxy-port: a second proxy would find it taken and fail the run), both ranks train, the weights are
+    synced into the engine and probed, and final/ is written once from the gathered shards."""
+    import json
+
+    from harness_trainer.serving.process import free_port
+
+    examples = Path(__file__).parents[1] / "harness_trainer" / "examples"
+    prefix = "harness_trainer.examples.multi_env:"
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+               "harness_trainer.commands.cli", "--environment", prefix + "MultiEnv",
+               "--reward-funcs", f"{prefix}wordle_reward,{prefix}echo_reward",
+               "--dataset", str(examples / "multi_env.jsonl"), "--vllm-url", fresh_engine.url,
+               "--model", str(tiny_model_dir), "--distributed", "fsdp", "--proxy-port", str(free_port()),
+               "--max-steps", "2", "--num-generations", "2", "--max-concurrent-rollouts", "2", "--save-steps", "2",
+               "--max-completion-tokens", "16", "--report-to", "none", "--output-dir", str(out)]
+    done = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["version"] == 3  # one writer: rank 0
+    assert all(m["probe_gap"] < 1e-3 for m in metrics)  # the engine serves the gathered weights
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert (out / "final" / "model.safetensors").exists() and (out / "checkpoint-2" / "trainer_state.pt").exists()
+    assert done.stdout.count("done: 2 steps") == 1  # rank 0 alone reports the run

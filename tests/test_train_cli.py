@@ -113,7 +113,8 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
     assert (cfg.warmup_ratio, cfg.lr_scheduler_type, cfg.save_best, cfg.groups_per_step, cfg.behaviour_clip) == \
         (0.1, "cosine", True, 2, False)
     assert cfg.step_clip is None and cfg.max_step_kl is None and cfg.step_clip_mode == "probability"
-    assert (cfg.max_tokens_per_microbatch, cfg.dtype, cfg.gradient_checkpointing) == (16384, "float32", False)
+    assert (cfg.max_tokens_per_microbatch, cfg.dtype, cfg.gradient_checkpointing) == (16384, "auto", None)
+    assert (cfg.distributed, cfg.trainer_gpus, cfg.engine_gpus, cfg.engine_memory_share) == ("ddp", None, None, 0.45)
     cfg = train_config(build_parser().parse_args(["train", "--max-tokens-per-microbatch", "none", "--dtype",
                                                   "bfloat16", "--gradient-checkpointing", "true"]))
     assert (cfg.max_tokens_per_microbatch, cfg.dtype, cfg.gradient_checkpointing) == (None, "bfloat16", True)
@@ -146,7 +147,7 @@ def _occupied_port():
     (["--lr-scheduler-type", "wavy"], "--lr-scheduler-type wavy: choose one of linear, cosine"),
     (["--warmup-ratio", "0.1"], "--warmup-ratio needs a schedule with a warm-up"),
     (["--groups-per-step", "0"], "--groups-per-step must be a positive integer"),
-    (["--dtype", "float64"], "--dtype float64: choose float32, bfloat16 or float16"),
+    (["--dtype", "float64"], "--dtype float64: choose auto, float32, bfloat16 or float16"),
     (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch must be a positive integer or none"),
 ])
 def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):

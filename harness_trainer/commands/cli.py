@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import difflib
 import faulthandler
+import os
 import signal
 import sys
 import threading
@@ -152,13 +153,16 @@ def _train(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     hf_logging.disable_progress_bar()  # one live display, not a bar per checkpoint
     progress = TrainProgress(cfg.max_steps)
+    follower = int(os.environ.get("RANK", "0")) != 0  # under a launcher: rank 0 alone shows and reports the run
     try:
-        with Live(progress, refresh_per_second=2, transient=False):
+        with contextlib.nullcontext() if follower else Live(progress, refresh_per_second=2, transient=False):
             summary = run_training(cfg, callbacks=[progress])
     except KeyboardInterrupt:
         print(f"harness-train: interrupted; engine, proxy and sandboxes are stopped. Checkpoints are in "
               f"{cfg.output_dir}: continue with --resume-from-checkpoint latest", file=sys.stderr)
         return 130
+    if follower:
+        return 0
     print(f"\ndone: {summary['steps']} steps, reward {summary['reward_first']} -> {summary['reward_last']}; "
           f"model {summary['final_model']}, curve {summary['reward_curve']}")
     return 0

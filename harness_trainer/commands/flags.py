@@ -44,9 +44,13 @@ def parse_optional_int(text) -> int | None:
     return None if text is None or str(text).strip().lower() in ("none", "off") else int(text)
 
 
+def parse_optional_bool(text) -> bool | None:
+    return None if text is None or str(text).strip().lower() in ("none", "auto") else parse_bool(text)
+
+
 # field type (a string: the modules use `from __future__ import annotations`) -> converter
 CONVERTERS = {"int": int, "float": float, "float | None": parse_optional_float, "int | None": parse_optional_int,
-              "bool": parse_bool}
+              "bool": parse_bool, "bool | None": parse_optional_bool}
 
 
 def flag(name: str) -> str:
@@ -66,7 +70,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls, skip: tuple[st
     for name, f in fields_of(config_cls, skip).items():
         kind = str(f.type)
         default = "" if f.default in (None, dataclasses.MISSING) else f" (default: {f.default})"
-        extra = dict(nargs="?", const=True) if kind == "bool" else {}
+        extra = dict(nargs="?", const=True) if kind in ("bool", "bool | None") else {}
         if f.metadata.get("repeat"):  # --vllm-url A --vllm-url B
             extra["action"] = "append"
         if f.metadata.get("required"):
@@ -78,7 +82,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls, skip: tuple[st
                                 help=argparse.SUPPRESS, **extra)
     for old, name in (deprecated or {}).items():
         kind = str(fields_of(config_cls)[name].type)
-        extra = dict(nargs="?", const=True) if kind == "bool" else {}
+        extra = dict(nargs="?", const=True) if kind in ("bool", "bool | None") else {}
         parser.add_argument(old, dest=name, type=CONVERTERS.get(kind, str), default=argparse.SUPPRESS,
                             action=Deprecated, new=flag(name), help=argparse.SUPPRESS, **extra)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
     report_to: str = option("trackio", "trackio (local), wandb or none")
 
 
+log = logging.getLogger("harness_trainer")
 FIELDS = fields_of(TrainRunConfig, skip=("vllm_server_base_url",))  # the engine's URL is --vllm-url
 # old spellings -> fields (they still work, with a deprecation line)
 DEPRECATED = {"--resume": "resume_from_checkpoint", "--service-recovery-timeout": "service_recovery_timeout_s"}
@@ -76,8 +79,8 @@ def resolve_config(values: dict) -> TrainRunConfig:
     if cfg.lr_scheduler_type == "constant" and cfg.warmup_ratio:
         raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
                           "constant_with_warmup (or linear, cosine)")
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"--dtype {cfg.dtype}: choose float32, bfloat16 or float16")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {cfg.dtype}: choose auto, float32, bfloat16 or float16")
     if cfg.max_tokens_per_microbatch is not None and cfg.max_tokens_per_microbatch < 1:
         raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
                           f"got {cfg.max_tokens_per_microbatch!r}")
@@ -182,13 +185,26 @@ def white_box(cfg) -> tuple | None:
         raise ConfigError(str(exc)) from None
 
 
+def follow_training(cfg: TrainRunConfig, model, tasks, resume: str | None) -> dict:
+    """A rank > 0 of `accelerate launch` / `torchrun`: no engine, proxy or rollout of its own; it steps on rank 0's
+    groups, joins the gathers FSDP needs, and takes part in writing final/."""
+    from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
+
+    trainer = HarnessAsyncGRPOTrainer(str(model.path), lambda sampling: None,
+                                      dataclasses.replace(cfg, resume_from_checkpoint=resume), tasks)
+    trainer.train()
+    trainer.save_model(Path(cfg.output_dir) / "final")
+    return {"rank": trainer.rank, "steps": trainer.step}
+
+
 def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
     from harness_trainer.agents.harnesses import make_harness
     from harness_trainer.agents.sandbox import make_sandbox
     from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
-    from harness_trainer.rollouts.services import run_services
+    from harness_trainer.rollouts.services import run_placement, run_services
+    from harness_trainer.serving.placement import PlacementError
     from harness_trainer.rollouts.tasks import load_dataset
     from harness_trainer.serving.engine import VLLMServer
     from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
@@ -210,6 +226,12 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl): pass --resume-from-checkpoint latest to "
                           "continue it, or choose a new --output-dir")
+    try:  # a GPU layout that cannot work (serving/placement.py)
+        placement = run_placement(cfg)
+    except PlacementError as exc:
+        raise ConfigError(str(exc)) from None
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 owns the engine, proxy and rollouts: this rank trains on
+        return follow_training(cfg, model, tasks, resume)  # the groups it hands over (training/distributed.py)
     reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
     for url in cfg.vllm_url or []:
         check_attached_engine(VLLMServer.attach(url), cfg)  # answers, serves what a sync can reach
@@ -218,6 +240,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     check_port_free(cfg.proxy_port, "--proxy-port")
 
     out.mkdir(parents=True, exist_ok=True)
+    log.info("placement: %s", placement.describe())
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     started = time.time()
     # 2. The servers: engine, then the capture proxy in front of it, supervised (rollouts/services.py).

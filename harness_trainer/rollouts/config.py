@@ -34,8 +34,13 @@ class RolloutConfig:
     vllm_url: list[str] | None = option(None, "attach to a running vLLM instead of launching one for --model; "
                                               "repeat for several engines behind one proxy (each rollout pinned "
                                               "to one, every sync to all)", repeat=True)
-    engines: int = option(1, "engines to launch (not with --vllm-url): one per GPU (CUDA_VISIBLE_DEVICES=i), "
-                             "else side by side on the CPU; each rollout pinned to one, every sync to all")
+    engines: int = option(1, "engines to launch (not with --vllm-url): the engine GPUs split among them, else "
+                             "side by side on the CPU; each rollout pinned to one, every sync to all")
+    engine_gpus: str | None = option(None, "GPU indices the engine(s) take, e.g. 0,1: tensor parallel over them, "
+                                           "split among --engines (default: the first half; one GPU: shared with "
+                                           "the trainer)")
+    engine_memory_share: float = option(0.45, "with one GPU for engine and trainer: the engine's share of its "
+                                              "memory (vLLM's --gpu-memory-utilization)")
     engine_port: int = option(0, "port for the launched engine, the next ones on the following ports (0: free "
                                  "ones)")
     proxy_port: int = option(0, "port for the capture proxy (0: a free one)")

@@ -23,6 +23,7 @@ from harness_trainer.rollouts.config import RolloutConfig
 from harness_trainer.rollouts.environments import EnvironmentSessionFactory
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
+from harness_trainer.serving.placement import Placement, plan_placement, resolve_weight_sync, visible_gpus
 from harness_trainer.serving.supervise import Supervisor
 
 
@@ -32,6 +33,13 @@ class Services:
     proxy: ProxyServer
     sessions: Callable  # sampling policy (dict) -> a session factory (LocalSessionFactory or EnvironmentSessionFactory)
     supervisor: Supervisor | None = None
+
+
+def run_placement(cfg) -> Placement:
+    """Where this run's engines and trainer go on the host's GPUs (`cfg`: a RolloutConfig, with trainer_gpus
+    when it is a training run's); PlacementError for a layout that cannot work."""
+    return plan_placement(visible_gpus(), cfg.engine_gpus, getattr(cfg, "trainer_gpus", None), cfg.engines,
+                          cfg.engine_memory_share)
 
 
 def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None) -> Callable:
@@ -60,13 +68,17 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
         engines = []
         if cfg.vllm_url:  # several: the first answers for all (they serve the same model); the proxy uses each
             engine = VLLMServer.attach(cfg.vllm_url[0])
-        else:  # --engines N: one per GPU where there are N, else side by side on the CPU
+        else:  # on the placement's GPUs (serving/placement.py), else side by side on the CPU
+            placement = run_placement(cfg)
+            transfer = resolve_weight_sync(getattr(cfg, "weight_sync_backend", None), lora_rank > 0, placement)
             for i in range(cfg.engines):
                 engines.append(stack.enter_context(VLLMServer(EngineConfig(
                     model=str(model.path), served_model_name=model.name, port=cfg.engine_port + i if cfg.engine_port
                     else 0, log_path=out / (f"vllm{i}.log" if i else "vllm.log"), max_model_len=cfg.max_model_len,
                     tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser, lora_rank=lora_rank,
-                    max_loras=max_loras, devices=str(i) if cfg.engines > 1 else None))))
+                    max_loras=max_loras, devices=placement.engine_devices(i), gpu=placement.gpu,
+                    tensor_parallel=placement.tensor_parallel(i), gpu_memory_utilization=placement.memory_share,
+                    weight_transfer=transfer if transfer in ("nccl", "ipc") else "nccl"))))
             engine = engines[0]
         upstream = [engine.url, *(cfg.vllm_url or [])[1:], *(e.url for e in engines[1:])]
         if oracle_tasks is not None:

@@ -36,6 +36,14 @@ def gpu_available() -> bool:
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
+def gpu_count() -> int:
+    """The NVIDIA GPUs nvidia-smi lists (0 without one)."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+
+
 def engine_python() -> str:
     """The interpreter that has vllm: $HARNESS_ENGINE_PYTHON, the project's .venv-engine, or this one."""
     if env := os.environ.get("HARNESS_ENGINE_PYTHON"):
@@ -56,7 +64,10 @@ class EngineConfig:
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu: bool | None = None  # None: detect
     extra_args: list[str] = field(default_factory=list)
-    devices: str | None = None  # GPU only: CUDA_VISIBLE_DEVICES for this engine (one engine of several)
+    devices: str | None = None  # GPU only: CUDA_VISIBLE_DEVICES for this engine (serving/placement.py)
+    tensor_parallel: int = 1  # GPU only: --tensor-parallel-size, over `devices`
+    gpu_memory_utilization: float | None = None  # GPU only: the engine's share (one GPU shared with the trainer)
+    weight_transfer: str = "nccl"  # GPU only: the backend of --weight-transfer-config (nccl, or ipc colocated)
     lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (serving/weight_sync.py)
     max_loras: int = 4  # adapters held at once: at least max_staleness + 2
     startup_timeout_s: float = 300.0
@@ -86,8 +97,12 @@ def server_command(cfg: EngineConfig, gpu: bool, served_from: Path | None = None
     ]
     if formats.reasoning_parser:  # sampled reasoning comes back as `reasoning`, apart from the answer's text
         cmd += ["--reasoning-parser", formats.reasoning_parser]
-    if gpu:
-        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if gpu:  # the trainer's nccl / ipc syncs rendezvous with this (serving/gpu_sync.py)
+        cmd += ["--weight-transfer-config", json.dumps({"backend": cfg.weight_transfer})]
+        if cfg.tensor_parallel > 1:
+            cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel)]
+        if cfg.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     else:
         cmd += ["--dtype", "float32", "--enforce-eager"]
     if cfg.lora_rank:

@@ -115,6 +115,21 @@ def plan_placement(visible: tuple[str, ...] | list[str], engine_gpus: str | None
                      visible=visible, memory_share=memory_share if shared else None)
 
 
+def resolve_weight_sync(requested: str | None, use_peft: bool, placement: Placement) -> str:
+    """The weight-sync backend a run uses: the one asked for, lora with an adapter, else the placement's (nccl /
+    ipc on GPU when this environment can run them: serving/gpu_sync.py, else reload)."""
+    if requested:
+        return requested
+    if use_peft:
+        return "lora"
+    if placement.weight_sync != "reload":
+        from harness_trainer.serving.gpu_sync import transfer_available
+
+        if transfer_available() is None:
+            return placement.weight_sync
+    return "reload"
+
+
 def _parse(value: str | None, n: int, flag: str) -> tuple[int, ...] | None:
     if value is None or value == "":
         return None

@@ -1,4 +1,5 @@
 """The trainer's policy into the serving vLLM as version N: every backend behind one interface (WeightSync).
+On GPU, nccl and ipc stream the weights without a file (gpu_sync.py); reload and lora are here.
 
 reload (ReloadSync): every weight, on every vLLM build, CPU included.
 
@@ -31,10 +32,7 @@ from typing import Protocol
 import httpx
 
 from harness_trainer.models.untie import HEAD_FILE
-
-
-class WeightSyncError(RuntimeError):
-    """A weight-sync step failed or timed out; the message names the step and the server's answer."""
+from harness_trainer.serving.sync_steps import WeightSyncError, post_step
 
 
 class WeightSync(Protocol):
@@ -57,7 +55,11 @@ def make_weight_sync(backend: str, url: str, timeout_s: float = 120.0) -> Weight
         return ReloadSync(url, timeout_s)
     if backend == "lora":
         return LoraSync(url, timeout_s)
-    raise ValueError(f"unknown weight_sync_backend '{backend}': choose reload or lora")
+    if backend in ("nccl", "ipc"):  # GPU to GPU on vLLM's weight-transfer engines
+        from harness_trainer.serving.gpu_sync import TransferSync
+
+        return TransferSync(backend, url, timeout_s)
+    raise ValueError(f"unknown weight_sync_backend '{backend}': choose reload, lora, nccl or ipc")
 
 
 def ram_dir(prefix: str = "harness-weights-") -> Path:
@@ -84,23 +86,6 @@ def save_weights(model, directory: str | Path, state_dict: dict | None = None) -
     return directory
 
 
-def _post(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:
-    """POST one step; a failed reload step warns that the engine may now be unusable."""
-    try:
-        response = client.post(url, **kwargs)
-    except httpx.TimeoutException:
-        raise WeightSyncError(f"weight sync step '{step}' timed out after {client.timeout.read} s ({url})") from None
-    except httpx.HTTPError as exc:
-        raise WeightSyncError(f"weight sync step '{step}' could not reach {url}: {exc}") from None
-    if not response.is_success:
-        after = (" A reload that failed inside vLLM can leave it unable to serve: restart the engine."
-                 if step == "reload_weights" else "")
-        raise WeightSyncError(
-            f"weight sync step '{step}' failed: HTTP {response.status_code} from {url}: {response.text[:500]}. "
-            f"The server needs VLLM_SERVER_DEV_MODE=1 (harness-train serve sets it).{after}")
-    return response
-
-
 def reload_weights(server, checkpoint_dir: str | Path, version: int | str, timeout_s: float = 120.0) -> float:
     """Load `checkpoint_dir` into the running server and stamp it as `version`. Returns seconds taken.
 
@@ -115,21 +100,21 @@ def reload_weights(server, checkpoint_dir: str | Path, version: int | str, timeo
     started = time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
         # Freeze the engine: requests in flight keep their place (mode=keep) instead of being aborted.
-        _post(client, f"{base}/pause", "pause", params={"mode": "keep"})
+        post_step(client, f"{base}/pause", "pause", params={"mode": "keep"})
         try:
-            _post(client, f"{base}/collective_rpc", "reload_weights", json={
+            post_step(client, f"{base}/collective_rpc", "reload_weights", json={
                 "method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}, "timeout": timeout_s})
             # Drop every cached key/value, those of running requests too: they are preempted and recompute
             # their prefix with the new weights, so no token is ever sampled from a mix of old and new KV.
-            reset = _post(client, f"{base}/reset_prefix_cache", "reset_prefix_cache",
+            reset = post_step(client, f"{base}/reset_prefix_cache", "reset_prefix_cache",
                           params={"reset_running_requests": "true"})
             if not reset.json().get("success", True):
                 raise WeightSyncError("weight sync step 'reset_prefix_cache' failed: vLLM could not drop the "
                                       "cached keys/values computed with the old weights")
-            _post(client, f"{base}/update_weight_version", "update_weight_version",
+            post_step(client, f"{base}/update_weight_version", "update_weight_version",
                   json={"new_version": str(version)})
         finally:
-            _post(client, f"{base}/resume", "resume")
+            post_step(client, f"{base}/resume", "resume")
     return time.perf_counter() - started
 
 

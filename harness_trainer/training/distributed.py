@@ -8,21 +8,28 @@ of trained tokens, so the summed gradient equals the single-process one and ever
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from harness_trainer.serving.placement import Placement, plan_placement
 
-def trainer_device(args) -> torch.device:
-    """This rank's device: its GPU in the placement (serving/placement.py: --trainer-gpus, else the GPUs the
-    engine does not take, else the engine's one), or the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    from harness_trainer.serving.placement import plan_placement
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
 
-    placement = plan_placement(tuple(str(i) for i in range(torch.cuda.device_count())),
-                               getattr(args, "engine_gpus", None), args.trainer_gpus, getattr(args, "engines", 1))
-    return torch.device("cuda", placement.trainer_device(int(os.environ.get("LOCAL_RANK", "0"))))
+
+def trainer_placement(args) -> Placement:
+    """The run's layout as this process sees its GPUs (serving/placement.py: --trainer-gpus, else the GPUs the
+    engine does not take, else the engine's one); the CPU's when it sees none."""
+    visible = tuple(str(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    return plan_placement(visible, getattr(args, "engine_gpus", None), args.trainer_gpus,
+                          getattr(args, "engines", 1), getattr(args, "engine_memory_share", 0.45))
+
+
+def trainer_device(placement: Placement) -> torch.device:
+    """This rank's device: its GPU in the placement, or the CPU."""
+    gpu = placement.trainer_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
 
 
 def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
@@ -33,7 +40,9 @@ def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # The other ranks wait in a broadcast while rank 0 collects a step's rollouts (agents can take many
+        # minutes): the default collective timeout (10 min with NCCL) would kill a healthy run.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -23,6 +23,7 @@ import httpx
 import torch
 
 from harness_trainer.serving.engine import teacher_forced_logprobs
+from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.supervise import ServiceDown, wait_for
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.sharding import gathered, is_sharded
@@ -34,6 +35,20 @@ PROBE_IDS = [1, 10, 20, 30, 40, 50, 60, 70, 2]  # a fixed sequence both sides sc
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (a failed weight sync, a probe mismatch, a service gone); the message says why."""
+
+
+def check_backend(backend: str, args) -> None:
+    """The weight-sync backend fits the run's settings and this machine (ValueError naming the fix)."""
+    if backend not in ("reload", "lora", "nccl", "ipc"):
+        raise ValueError(f"unknown weight_sync_backend '{backend}': choose reload, lora, nccl or ipc")
+    if backend in ("nccl", "ipc") and (missing := transfer_available()) is not None:
+        raise ValueError(f"weight_sync_backend='{backend}' cannot run here: {missing}")
+    if (backend == "lora") != args.use_peft:
+        raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
+                         "full weights by reload, nccl or ipc")
+    if args.use_peft and args.distributed == "fsdp":
+        raise ValueError("use_peft with distributed='fsdp' is not supported: an adapter is small, train it with "
+                         "distributed='ddp'")
 
 
 class PolicySync:

@@ -57,10 +57,12 @@ from harness_trainer.rollouts.tasks import Task
 from harness_trainer.serving.weight_sync import WeightSync
 from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
 from harness_trainer.training.config import AsyncGRPOConfig
-from harness_trainer.training.distributed import Ranks, broadcast, init_distributed, trainer_device
+from harness_trainer.serving.placement import resolve_weight_sync
+from harness_trainer.training.distributed import (Ranks, broadcast, init_distributed, trainer_device,
+                                                  trainer_placement)
 from harness_trainer.training.grpo import LossConfig
 from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
-from harness_trainer.training.policy_sync import PolicySync, TrainingStopped
+from harness_trainer.training.policy_sync import PolicySync, TrainingStopped, check_backend
 from harness_trainer.training.sharding import shard_model
 from harness_trainer.training.step import GRPOStep
 from harness_trainer.training.trust_region import StabilityMonitor
@@ -82,17 +84,11 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
 
         args = args or AsyncGRPOConfig()
         self.args = args
-        self.backend = args.weight_sync_backend or ("lora" if args.use_peft else "reload")
-        if self.backend not in ("reload", "lora", "nccl", "ipc"):
-            raise ValueError(f"unknown weight_sync_backend '{self.backend}': choose reload, lora, nccl or ipc")
-        if (self.backend == "lora") != args.use_peft:
-            raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
-                             "full weights by reload, nccl or ipc")
-        if args.use_peft and args.distributed == "fsdp":
-            raise ValueError("use_peft with distributed='fsdp' is not supported: an adapter is small, train it with "
-                             "distributed='ddp'")
         # One device per rank: the rank's GPU of the placement (serving/placement.py), else the CPU.
-        self.device = trainer_device(args)
+        placement = trainer_placement(args)
+        self.device = trainer_device(placement)
+        self.backend = resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
+        check_backend(self.backend, args)
         self.rank, self.world_size = init_distributed(self.device)
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
         dtype = _dtype(args.dtype, self.device, sharded=args.distributed == "fsdp")

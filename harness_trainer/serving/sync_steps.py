@@ -1,0 +1,29 @@
+"""What every weight-sync backend shares: its error, and one HTTP step that either succeeds or fails loudly
+(a timeout, an unreachable engine and a non-2xx answer each raise WeightSyncError naming the step)."""
+
+from __future__ import annotations
+
+import httpx
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync step failed or timed out; the message names the step and the server's answer."""
+
+
+def post_step(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:
+    """POST one step; a failed reload step warns that the engine may now be unusable."""
+    try:
+        response = client.post(url, **kwargs)
+    except httpx.TimeoutException:
+        raise WeightSyncError(f"weight sync step '{step}' timed out after {client.timeout.read} s ({url})") from None
+    except httpx.HTTPError as exc:
+        raise WeightSyncError(f"weight sync step '{step}' could not reach {url}: {exc}") from None
+    if not response.is_success:
+        after = (" A reload that failed inside vLLM can leave it unable to serve: restart the engine."
+                 if step == "reload_weights" else "")
+        raise WeightSyncError(
+            f"weight sync step '{step}' failed: HTTP {response.status_code} from {url}: {response.text[:500]}. "
+            f"The server needs VLLM_SERVER_DEV_MODE=1 (harness-train serve sets it).{after}")
+    return response
+
+
