@@ -44,6 +44,10 @@ def test_flags_override_and_the_other_side_takes_the_rest():
     # the host's device ids behind the indices: CUDA_VISIBLE_DEVICES=4,5,6,7 -> engine on physical 4,5
     p = plan_placement(("4", "5", "6", "7"))
     assert p.engine_devices(0) == "4,5" and p.trainer == (2, 3)
+    # an engine started elsewhere (--vllm-url; a job's engine on GPU 0, the trainer given the others)
+    p = plan_placement(GPUS[2], attached=True)
+    assert p.attached and p.trainer == (0, 1) and p.weight_sync == "nccl" and not p.colocated
+    assert plan_placement(GPUS[4], trainer_gpus="1,2", attached=True).trainer == (1, 2)
 
 
 @pytest.mark.parametrize("visible, kwargs, message", [
@@ -61,7 +65,9 @@ def test_layouts_that_cannot_work_are_refused(visible, kwargs, message):
         plan_placement(visible, **kwargs)
 
 
-def test_the_cpu_placement_and_the_engine_command_for_each_layout(tiny_model_dir):
+def test_the_cpu_placement_and_the_engine_command_for_each_layout(tiny_model_dir, tmp_path):
+    from harness_trainer.serving.engine import server_env
+
     cpu = plan_placement(())
     assert not cpu.gpu and cpu.engine_devices(0) is None and cpu.trainer_device(0) is None
     assert resolve_weight_sync(None, False, cpu) == "reload" and resolve_weight_sync(None, True, cpu) == "lora"
@@ -78,6 +84,10 @@ def test_the_cpu_placement_and_the_engine_command_for_each_layout(tiny_model_dir
         assert ("--tensor-parallel-size 2" in joined) == (n == 4)
         assert ("--gpu-memory-utilization 0.45" in joined) == (n == 1)
         assert "--enforce-eager" not in joined
+    env = server_env(EngineConfig(model=str(tiny_model_dir), gpu=True, devices="4,5", weight_transfer="ipc"), tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"  # pickled handles
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in server_env(EngineConfig(model=str(tiny_model_dir), gpu=True),
+                                                                 tmp_path)
 
 
 def test_gpu_syncs_refuse_to_start_without_cuda_or_vllm(tmp_path):
@@ -152,3 +162,30 @@ def test_a_transfer_is_bounded_when_the_engine_dies_or_stalls(monkeypatch):
     finally:
         _Engine.alive = True
         server.shutdown()
+
+
+def test_the_device_check_plans_what_it_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "bench/device_check.py", "--plan"], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert [line.split()[0] for line in done.stdout.splitlines()] == ["tree", "grpo-ipc", "grpo-nccl", "lora"]
+    assert "--weight-sync-backend ipc" in done.stdout and "--weight-sync-backend nccl" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_device_check_dry_run_passes_on_cpu(tmp_path):
+    """The device script end to end on the CPU (the tiny model, reload standing in for ipc and nccl): what it
+    will run on a GPU, rehearsed; ~4 min."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "bench/device_check.py", "--dry-run", "--output-dir", str(tmp_path)],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "check |" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["tree", "grpo-ipc", "grpo-nccl", "lora"]
+    assert all(r.split("|")[2].strip() == "pass" for r in rows)

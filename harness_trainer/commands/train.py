@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,6 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
     report_to: str = option("trackio", "trackio (local), wandb or none")
 
 
-log = logging.getLogger("harness_trainer")
 FIELDS = fields_of(TrainRunConfig, skip=("vllm_server_base_url",))  # the engine's URL is --vllm-url
 # old spellings -> fields (they still work, with a deprecation line)
 DEPRECATED = {"--resume": "resume_from_checkpoint", "--service-recovery-timeout": "service_recovery_timeout_s"}
@@ -240,7 +239,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     check_port_free(cfg.proxy_port, "--proxy-port")
 
     out.mkdir(parents=True, exist_ok=True)
-    log.info("placement: %s", placement.describe())
+    print(f"harness-train: placement: {placement.describe()}", file=sys.stderr)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     started = time.time()
     # 2. The servers: engine, then the capture proxy in front of it, supervised (rollouts/services.py).
@@ -270,7 +269,8 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
                "best_model": str(out / "best") if (out / "best").exists() else None,
                "restarts": [f"{r.service} (exit {r.exit_code}), back in {r.seconds:.0f} s"
                             for r in supervisor.restarts],
-               "wall_time_s": round(time.time() - started, 1), "traces": str(out / "traces.jsonl"),
+               "placement": placement.describe(), "wall_time_s": round(time.time() - started, 1),
+               "traces": str(out / "traces.jsonl"),
                "reward_curve": str(out / "reward_curve.png")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -122,8 +122,11 @@ def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
     })
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
-    if cfg.devices is not None and (cfg.gpu or (cfg.gpu is None and gpu_available())):
+    gpu = cfg.gpu or (cfg.gpu is None and gpu_available())
+    if cfg.devices is not None and gpu:
         env["CUDA_VISIBLE_DEVICES"] = cfg.devices
+    if gpu and cfg.weight_transfer == "ipc":  # the IPC handles arrive pickled over HTTP (vLLM's own client)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if cfg.lora_rank:
         from harness_trainer.serving.weight_sync import ENGINE_ENV
 

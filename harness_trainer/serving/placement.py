@@ -33,6 +33,10 @@ class Placement:
         return bool(self.trainer)
 
     @property
+    def attached(self) -> bool:
+        return not self.engines
+
+    @property
     def colocated(self) -> bool:
         return self.gpu and any(set(e) & set(self.trainer) for e in self.engines)
 
@@ -61,6 +65,8 @@ class Placement:
     def describe(self) -> str:
         if not self.gpu:
             return f"CPU: {len(self.engines)} engine(s) and the trainer on the CPU; weights by reload"
+        if self.attached:
+            return f"an engine started elsewhere; trainer on GPU {_ids(self.trainer)}; weights by nccl"
         engines = "; ".join(f"engine {i} on GPU {_ids(e)} (tensor parallel {len(e)})" for i, e in enumerate(self.engines))
         share = f", engine held to {self.memory_share:.0%} of its memory" if self.colocated else ""
         return f"{engines}; trainer on GPU {_ids(self.trainer)}{share}; weights by {self.weight_sync}"
@@ -77,9 +83,15 @@ def visible_gpus() -> tuple[str, ...]:
 
 
 def plan_placement(visible: tuple[str, ...] | list[str], engine_gpus: str | None = None,
-                   trainer_gpus: str | None = None, engines: int = 1, memory_share: float = 0.45) -> Placement:
-    """The layout for `visible` GPUs (the host's ids; empty: the CPU) and the flags given."""
+                   trainer_gpus: str | None = None, engines: int = 1, memory_share: float = 0.45,
+                   attached: bool = False) -> Placement:
+    """The layout for `visible` GPUs (the host's ids; empty: the CPU) and the flags given. `attached`: the
+    engine was started elsewhere (--vllm-url, the Python API): the trainer takes --trainer-gpus or every visible
+    GPU, and weights go by nccl (`harness-train serve` starts its engine for it)."""
     visible, n = tuple(visible), len(visible)
+    if attached and n:
+        trainer = _parse(trainer_gpus, n, "--trainer-gpus") or tuple(range(n))
+        return Placement(engines=(), trainer=trainer, visible=visible)
     if not n:
         if engine_gpus or trainer_gpus:
             flag = "--engine-gpus" if engine_gpus else "--trainer-gpus"

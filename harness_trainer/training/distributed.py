@@ -22,8 +22,10 @@ def trainer_placement(args) -> Placement:
     """The run's layout as this process sees its GPUs (serving/placement.py: --trainer-gpus, else the GPUs the
     engine does not take, else the engine's one); the CPU's when it sees none."""
     visible = tuple(str(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    # the CLI launched the engine unless given --vllm-url; the Python API always attaches to one
+    attached = bool(getattr(args, "vllm_url", None)) or not hasattr(args, "engines")
     return plan_placement(visible, getattr(args, "engine_gpus", None), args.trainer_gpus,
-                          getattr(args, "engines", 1), getattr(args, "engine_memory_share", 0.45))
+                          getattr(args, "engines", 1), getattr(args, "engine_memory_share", 0.45), attached)
 
 
 def trainer_device(placement: Placement) -> torch.device:
