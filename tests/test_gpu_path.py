@@ -48,6 +48,9 @@ def test_flags_override_and_the_other_side_takes_the_rest():
     p = plan_placement(GPUS[2], attached=True)
     assert p.attached and p.trainer == (0, 1) and p.weight_sync == "nccl" and not p.colocated
     assert plan_placement(GPUS[4], trainer_gpus="1,2", attached=True).trainer == (1, 2)
+    # no trainer (eval): the engines take every GPU, no memory share held back
+    p = plan_placement(GPUS[4], engines=2, trainer=False)
+    assert p.engines == ((0, 1), (2, 3)) and not p.colocated and p.memory_share is None
 
 
 @pytest.mark.parametrize("visible, kwargs, message", [

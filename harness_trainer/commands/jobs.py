@@ -3,9 +3,10 @@
     harness-train jobs launch --flavor h200x2 --push-to me/agent-grpo -- --harness mini-swe-agent --sandbox e2b ...
 
 One job, one host: the engine (vLLM) on GPU 0, the trainer on the other GPUs (`accelerate launch` when there
-are several), the capture proxy next to them. Weights go GPU to GPU by `nccl` (serving/gpu_sync.py; the trainer
-sees an attached engine: serving/placement.py), which is why the engine and the trainer share the job. E2B sandboxes reach the proxy
-through the job's public port. At the end the final model and the traces are pushed to `--push-to`.
+are several), the capture proxy next to them. Weights go GPU to GPU by `nccl` (serving/gpu_sync.py; to the
+trainer the engine is attached: serving/placement.py), which is why the engine and the trainer share the job.
+E2B sandboxes reach the proxy through the job's public port. At the end the final model and the traces are
+pushed to `--push-to`.
 A `cpu-*` flavor runs everything on CPU (the embedded tiny model, a smoke test of the whole path).
 
 What the job runs is this project as it is here: no package of it is published, so by default the launcher

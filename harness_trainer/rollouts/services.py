@@ -37,9 +37,10 @@ class Services:
 
 def run_placement(cfg) -> Placement:
     """Where this run's engines and trainer go on the host's GPUs (`cfg`: a RolloutConfig, with trainer_gpus
-    when it is a training run's); PlacementError for a layout that cannot work."""
+    when it is a training run's: eval's engines take every GPU); PlacementError for a layout that cannot work."""
     return plan_placement(visible_gpus(), cfg.engine_gpus, getattr(cfg, "trainer_gpus", None), cfg.engines,
-                          cfg.engine_memory_share, attached=bool(cfg.vllm_url))
+                          cfg.engine_memory_share, attached=bool(cfg.vllm_url),
+                          trainer=hasattr(cfg, "trainer_gpus"))
 
 
 def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None) -> Callable:

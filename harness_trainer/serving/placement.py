@@ -30,7 +30,7 @@ class Placement:
 
     @property
     def gpu(self) -> bool:
-        return bool(self.trainer)
+        return bool(self.visible)
 
     @property
     def attached(self) -> bool:
@@ -68,6 +68,8 @@ class Placement:
         if self.attached:
             return f"an engine started elsewhere; trainer on GPU {_ids(self.trainer)}; weights by nccl"
         engines = "; ".join(f"engine {i} on GPU {_ids(e)} (tensor parallel {len(e)})" for i, e in enumerate(self.engines))
+        if not self.trainer:
+            return engines + "; no trainer"
         share = f", engine held to {self.memory_share:.0%} of its memory" if self.colocated else ""
         return f"{engines}; trainer on GPU {_ids(self.trainer)}{share}; weights by {self.weight_sync}"
 
@@ -84,10 +86,11 @@ def visible_gpus() -> tuple[str, ...]:
 
 def plan_placement(visible: tuple[str, ...] | list[str], engine_gpus: str | None = None,
                    trainer_gpus: str | None = None, engines: int = 1, memory_share: float = 0.45,
-                   attached: bool = False) -> Placement:
+                   attached: bool = False, trainer: bool = True) -> Placement:
     """The layout for `visible` GPUs (the host's ids; empty: the CPU) and the flags given. `attached`: the
     engine was started elsewhere (--vllm-url, the Python API): the trainer takes --trainer-gpus or every visible
-    GPU, and weights go by nccl (`harness-train serve` starts its engine for it)."""
+    GPU, and weights go by nccl (`harness-train serve` starts its engine for it). `trainer=False` (eval, serve):
+    the engines take --engine-gpus or every visible GPU."""
     visible, n = tuple(visible), len(visible)
     if attached and n:
         trainer = _parse(trainer_gpus, n, "--trainer-gpus") or tuple(range(n))
@@ -98,6 +101,13 @@ def plan_placement(visible: tuple[str, ...] | list[str], engine_gpus: str | None
             raise PlacementError(f"{flag} given but no GPU is visible (nvidia-smi finds none, or "
                                  "CUDA_VISIBLE_DEVICES is empty): leave it out to run on the CPU")
         return Placement(engines=((),) * engines, trainer=())
+    if not trainer:
+        engine = _parse(engine_gpus, n, "--engine-gpus") or tuple(range(n))
+        if len(engine) % engines:
+            raise PlacementError(f"--engines {engines} cannot split {len(engine)} GPUs ({_ids(engine)}) evenly")
+        per = len(engine) // engines
+        return Placement(engines=tuple(engine[i * per:(i + 1) * per] for i in range(engines)), trainer=(),
+                         visible=visible)
     engine = _parse(engine_gpus, n, "--engine-gpus")
     trainer = _parse(trainer_gpus, n, "--trainer-gpus")
     if engine is None and trainer is None:

@@ -16,6 +16,7 @@ is skipped (the run goes on with the others) and synced when it answers again.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +44,9 @@ def check_backend(backend: str, args) -> None:
         raise ValueError(f"unknown weight_sync_backend '{backend}': choose reload, lora, nccl or ipc")
     if backend in ("nccl", "ipc") and (missing := transfer_available()) is not None:
         raise ValueError(f"weight_sync_backend='{backend}' cannot run here: {missing}")
+    if backend == "ipc" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its handle all-gather spans every rank
+        raise ValueError("weight_sync_backend='ipc' shares one GPU between one trainer process and the engine: with "
+                         "several trainer ranks use nccl")
     if (backend == "lora") != args.use_peft:
         raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
                          "full weights by reload, nccl or ipc")
