@@ -80,8 +80,11 @@ class TransferSync:
                 post_step(client, f"{self.base}/reset_prefix_cache", "reset_prefix_cache",
                       params={"reset_running_requests": "true"})
             finally:
-                if not self.broken:
+                try:
                     post_step(client, f"{self.base}/resume", "resume")
+                except WeightSyncError:
+                    if not self.broken:  # after a broken transfer the engine may be gone: the first error stands
+                        raise
         return None
 
     def source_of(self, model, state_dict: dict | None):
@@ -142,10 +145,15 @@ class TransferSync:
 
     def _guarded(self, step: str, work) -> None:
         """Run `work` on a worker thread, watching the engine: a dead engine or an overrun fails the step now."""
+        import torch
+
         done, failure = threading.Event(), []
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def run():
             try:
+                if device is not None:  # the current CUDA device is per thread: NCCL and IPC bind to it
+                    torch.cuda.set_device(device)
                 work()
             except BaseException as exc:  # noqa: BLE001 - carried to the caller
                 failure.append(exc)
