@@ -93,34 +93,23 @@ class TransferSync:
         the engine serves tied models untied (models/untie.py)."""
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+        head = getattr(model.config, "tie_word_embeddings", False) and (
+            state_dict is None or "lm_head.weight" not in state_dict)
+
+        def named():  # (name, tensor) where it lives: the GPU, or the CPU for gathered weights
+            yield from state_dict.items() if state_dict is not None else model.named_parameters()
+            if head:
+                yield "lm_head.weight", model.get_output_embeddings().weight
+
         class Weights(WeightSource):
-            def _pairs(self):
-                import torch
-
-                if state_dict is not None:
-                    device = torch.device("cuda", torch.cuda.current_device())
-                    named = ((k, v.to(device, non_blocking=True)) for k, v in state_dict.items())
-                else:
-                    named = ((k, p.detach()) for k, p in model.named_parameters())
-                yield from named
-                if getattr(model.config, "tie_word_embeddings", False) and (
-                        state_dict is None or "lm_head.weight" not in state_dict):
-                    yield "lm_head.weight", model.get_output_embeddings().weight.detach()
-
             def metadata(self):
-                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._shapes()]
-
-            def _shapes(self):
-                if state_dict is not None:
-                    yield from state_dict.items()
-                else:
-                    yield from model.named_parameters()
-                if getattr(model.config, "tie_word_embeddings", False) and (
-                        state_dict is None or "lm_head.weight" not in state_dict):
-                    yield "lm_head.weight", model.get_output_embeddings().weight
+                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in named()]
 
             def __iter__(self):
-                return self._pairs()
+                import torch
+
+                device = torch.device("cuda", torch.cuda.current_device())
+                return ((name, t.detach().to(device, non_blocking=True)) for name, t in named())
 
         self.source = Weights()
         if self.engine is not None:
