@@ -59,8 +59,9 @@ class AsyncGRPOConfig:
     # memory and precision
     max_tokens_per_microbatch: int | None = option(16384, "tokens of the packed prefix tree per forward/backward: "
                                                           "bounds a step's memory (none: the whole tree at once)")
-    dtype: str = option("auto", "weights' dtype in the trainer: auto (bfloat16 on GPU, float32 on the CPU), "
-                                "float32, bfloat16 or float16 (logprobs are float32 either way)")
+    dtype: str = option("auto", "weights' dtype in the trainer: auto (float32 weights; with --distributed fsdp on "
+                                "GPU, bfloat16 compute over them), float32, bfloat16 or float16 (logprobs are "
+                                "float32 either way)")
     gradient_checkpointing: bool | None = option(None, "recompute each layer in the backward: less memory, more "
                                                        "time (default: on with --distributed fsdp on GPU)")
     # devices (serving/placement.py, training/sharding.py)

@@ -381,9 +381,11 @@ def _schedule(optimizer, args: AsyncGRPOConfig):
 
 
 def _dtype(name: str, device: torch.device, sharded: bool) -> torch.dtype:
-    """auto: bfloat16 on GPU (FSDP keeps float32 masters and computes in bfloat16), float32 on the CPU."""
+    """The weights' dtype as loaded. auto: float32 (with FSDP on GPU the forward then computes in bfloat16 over
+    those float32 masters: sharding.py); not pure bfloat16 weights, where AdamW's updates below bf16's resolution
+    (a relative 4e-3: lr 1e-6 steps) would be rounded away."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" and not sharded else torch.float32
+        return torch.float32
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
         raise ValueError(f"dtype '{name}': choose auto or one of {', '.join(dtypes)}")
