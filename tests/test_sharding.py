@@ -92,6 +92,43 @@ def test_fsdp_two_ranks_match_one_and_resume_exactly(tiny_model_dir, tmp_path):
     assert all(torch.equal(final[k], b["weights"][k]) for k in final) and set(final) <= set(b["weights"])
 
 
+FAILS = textwrap.dedent("""
+    import json, sys
+    from types import SimpleNamespace
+    from harness_trainer.rollouts.session import CaptureContractError
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    class Broken:  # fault injection: every rollout breaks the capture contract, which stops a run
+        def create(self, task, episode_id=None):
+            raise CaptureContractError("injected")
+
+    model, out = sys.argv[1:3]
+    trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: Broken(), AsyncGRPOConfig(
+        output_dir=out, distributed="fsdp", num_generations=2, max_concurrent_rollouts=2), [SimpleNamespace(name="t")])
+    try:
+        trainer.train()
+        raised = False
+    except CaptureContractError:
+        raised = True
+    if not trainer.lead_failed and trainer.rank == 0 and not raised:
+        trainer.save_model(out + "/final")
+    with open(f"{out}/rank{trainer.rank}.json", "w") as f:
+        json.dump({"raised": raised, "lead_failed": trainer.lead_failed}, f)
+""")
+
+
+def test_a_failed_lead_releases_the_followers(tiny_model_dir, tmp_path):
+    """Rank 0's loop stops on an error: the followers are told it failed (no final/ gather is coming) and exit,
+    instead of waiting in a collective for hours."""
+    import json
+
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS)
+    _run(script, 2, str(tiny_model_dir), str(tmp_path))
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"raised": True, "lead_failed": False}
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"raised": False, "lead_failed": True}
+
+
 def test_one_set_of_services_under_a_launcher(fresh_engine, tiny_model_dir, tmp_path):
     """`harness-train` under torchrun with 2 CPU ranks and FSDP: rank 0 alone runs the proxy and rollouts (on a
     fixed --proxy-port: a second proxy would find it taken and fail the run), both ranks train, the weights are

@@ -192,6 +192,8 @@ def follow_training(cfg: TrainRunConfig, model, tasks, resume: str | None) -> di
     trainer = HarnessAsyncGRPOTrainer(str(model.path), lambda sampling: None,
                                       dataclasses.replace(cfg, resume_from_checkpoint=resume), tasks)
     trainer.train()
+    if trainer.lead_failed:  # rank 0 stopped with an error: it writes no final/, so no gather to join
+        return {"rank": trainer.rank, "steps": trainer.step, "failed": True}
     trainer.save_model(Path(cfg.output_dir) / "final")
     return {"rank": trainer.rank, "steps": trainer.step}
 

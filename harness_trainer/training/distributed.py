@@ -16,6 +16,7 @@ import torch.distributed as dist
 from harness_trainer.serving.placement import Placement, plan_placement
 
 COLLECTIVE_TIMEOUT = timedelta(hours=6)
+FAILED = "failed"  # rank 0's last broadcast when its loop raised: the followers must not wait for a final save
 
 
 def trainer_placement(args) -> Placement:
@@ -80,10 +81,14 @@ class Ranks:
     broadcasts the work's name and the others, waiting between steps, join in (`_together`)."""
 
     leading = False  # rank 0 inside its loop: the others are in _follow and must be called in
+    lead_failed = False  # a follower's view: rank 0's loop ended in an error (no final save will come)
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
         while (message := broadcast(None)) is not None:
+            if message == FAILED:
+                self.lead_failed = True
+                break
             if isinstance(message, str):
                 self._together(message)
             else:

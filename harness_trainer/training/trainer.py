@@ -58,7 +58,7 @@ from harness_trainer.serving.weight_sync import WeightSync
 from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
 from harness_trainer.training.config import AsyncGRPOConfig
 from harness_trainer.serving.placement import resolve_weight_sync
-from harness_trainer.training.distributed import (Ranks, broadcast, init_distributed, trainer_device,
+from harness_trainer.training.distributed import (FAILED, Ranks, broadcast, init_distributed, trainer_device,
                                                   trainer_placement)
 from harness_trainer.training.grpo import LossConfig
 from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
@@ -240,14 +240,17 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
     def train(self) -> list[dict]:
         if self.rank != 0:
             return self._follow()
+        finished = False
         try:
             self.leading = True
             with self.own_proxy or contextlib.nullcontext():
-                return self._lead()
+                history = self._lead()
+            finished = True
+            return history
         finally:
             self.leading = False
-            if self.world_size > 1:
-                broadcast(None)  # releases the other ranks, on success or error
+            if self.world_size > 1:  # releases the other ranks, saying whether the run finished
+                broadcast(None if finished else FAILED)
             for sync in self.weight_syncs.values():
                 sync.close()
 
