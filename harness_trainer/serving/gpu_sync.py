@@ -29,7 +29,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from harness_trainer.serving.sync_steps import WeightSyncError, post_step
+from harness_trainer.serving.process import free_port
+from harness_trainer.serving.sync_steps import WeightSyncError, engine_answers, post_step
 
 BACKENDS = ("nccl", "ipc")
 HEALTH_EVERY_S = 2.0
@@ -124,7 +125,7 @@ class TransferSync:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
             workers = engine_world_size(self.base)
-            info = NCCLTrainerInitInfo(master_address=address_towards(self.base), master_port=_free_port(),
+            info = NCCLTrainerInitInfo(master_address=address_towards(self.base), master_port=free_port(),
                                        world_size=1 + workers, rank=0)
         else:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -152,7 +153,7 @@ class TransferSync:
         threading.Thread(target=run, name=f"weight-sync-{step}", daemon=True).start()
         deadline = time.monotonic() + self.timeout_s
         while not done.wait(HEALTH_EVERY_S):
-            if not _answers(self.base):
+            if not engine_answers(self.base):
                 self.broken = f"the engine at {self.base} stopped answering during '{step}'"
                 raise WeightSyncError(f"weight sync step '{step}' failed: {self.broken}")
             if time.monotonic() > deadline:
@@ -197,19 +198,6 @@ def address_towards(base: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # no packet is sent: this only picks the outgoing interface
         return s.getsockname()[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _answers(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=5).is_success
-    except httpx.HTTPError:
-        return False
 
 
 def _hint(exc: BaseException, backend: str) -> str:

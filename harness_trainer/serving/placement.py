@@ -103,11 +103,7 @@ def plan_placement(visible: tuple[str, ...] | list[str], engine_gpus: str | None
         return Placement(engines=((),) * engines, trainer=())
     if not trainer:
         engine = _parse(engine_gpus, n, "--engine-gpus") or tuple(range(n))
-        if len(engine) % engines:
-            raise PlacementError(f"--engines {engines} cannot split {len(engine)} GPUs ({_ids(engine)}) evenly")
-        per = len(engine) // engines
-        return Placement(engines=tuple(engine[i * per:(i + 1) * per] for i in range(engines)), trainer=(),
-                         visible=visible)
+        return Placement(engines=_split(engine, engines), trainer=(), visible=visible)
     engine = _parse(engine_gpus, n, "--engine-gpus")
     trainer = _parse(trainer_gpus, n, "--trainer-gpus")
     if engine is None and trainer is None:
@@ -124,17 +120,14 @@ def plan_placement(visible: tuple[str, ...] | list[str], engine_gpus: str | None
     if shared and not (len(engine) == len(trainer) == 1):
         raise PlacementError(f"--engine-gpus {_ids(engine)} and --trainer-gpus {_ids(trainer)} share GPU "
                              f"{_ids(sorted(shared))}: give them disjoint GPUs, or one GPU to both (colocated)")
-    if len(engine) % engines:
-        raise PlacementError(f"--engines {engines} cannot split the engine's {len(engine)} GPUs ({_ids(engine)}) "
-                             f"evenly: give a multiple of {engines} engine GPUs, or another --engines")
+    split = _split(engine, engines)
     if shared and engines > 1:
         raise PlacementError("--engines > 1 on the trainer's only GPU: a colocated engine is one engine")
     if shared and not 0.05 <= memory_share <= 0.9:
         raise PlacementError(f"--engine-memory-share {memory_share}: give the colocated engine between 0.05 and "
                              "0.9 of the GPU (the trainer takes the rest)")
-    per = len(engine) // engines
-    return Placement(engines=tuple(engine[i * per:(i + 1) * per] for i in range(engines)), trainer=trainer,
-                     visible=visible, memory_share=memory_share if shared else None)
+    return Placement(engines=split, trainer=trainer, visible=visible,
+                     memory_share=memory_share if shared else None)
 
 
 def resolve_weight_sync(requested: str | None, use_peft: bool, placement: Placement) -> str:
@@ -150,6 +143,15 @@ def resolve_weight_sync(requested: str | None, use_peft: bool, placement: Placem
         if transfer_available() is None:
             return placement.weight_sync
     return "reload"
+
+
+def _split(engine: tuple[int, ...], engines: int) -> tuple[tuple[int, ...], ...]:
+    """The engine GPUs in `engines` equal groups, one per engine (tensor parallel within each)."""
+    if len(engine) % engines:
+        raise PlacementError(f"--engines {engines} cannot split the engine's {len(engine)} GPUs ({_ids(engine)}) "
+                             f"evenly: give a multiple of {engines} engine GPUs, or another --engines")
+    per = len(engine) // engines
+    return tuple(engine[i * per:(i + 1) * per] for i in range(engines))
 
 
 def _parse(value: str | None, n: int, flag: str) -> tuple[int, ...] | None:

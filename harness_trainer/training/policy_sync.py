@@ -26,6 +26,7 @@ import torch
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.supervise import ServiceDown, wait_for
+from harness_trainer.serving.sync_steps import engine_answers
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.sharding import gathered, is_sharded
 
@@ -113,7 +114,7 @@ class PolicySync:
         try:
             return self._load_weights(url, version, weights)
         except WeightSyncError as exc:
-            if len(self._engine_urls(url, lost_too=True)) > 1 and not _answers(url):
+            if len(self._engine_urls(url, lost_too=True)) > 1 and not engine_answers(url):
                 log.warning("step %d: engine %s went away during the weight sync (%s); the run goes on with the "
                             "others", self.step + 1, url, exc)
                 return False
@@ -155,7 +156,7 @@ class PolicySync:
                                                                        timeout=10).raise_for_status(), timeout)
                 else:  # several: one answering is enough to go on; a silent one is fenced by the proxy
                     wait_for(f"any of the engines {', '.join(engines)}", lambda: _any_answers(engines), timeout)
-                    engines = [u for u in engines if _answers(u)]
+                    engines = [u for u in engines if engine_answers(u)]
                 for engine in engines:
                     if not self._engine_serves_policy(engine):
                         weights = self.full_weights()
@@ -207,12 +208,5 @@ class PolicySync:
 
 
 def _any_answers(urls: list[str]) -> None:
-    if not any(_answers(u) for u in urls):
+    if not any(engine_answers(u) for u in urls):
         raise ConnectionError("no engine answers /health")
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url.rstrip('/')}/health", timeout=5).is_success
-    except httpx.HTTPError:
-        return False
