@@ -11,6 +11,9 @@
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
+#   docker        Debian's docker.io + debootstrap (apt, as root), its daemon started when none runs, and the
+#                 local base images the container tests' Dockerfiles name (scripts/base_images.sh: no registry
+#                 is reachable, so they are made from Debian's packages)
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
 #
 # HARNESS_SETUP_ONLY="engine trainer proxy opencode" sets up only the steps named (a Jobs run: the engine, the
@@ -169,4 +172,25 @@ if ! wanted chromium; then :
 elif command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then echo "setup: chromium is present"
 elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then run_step chromium "apt" install_chromium
 else echo "setup: skipping chromium (needs root and apt): the viewer's browser tests will be skipped" >&2; fi
+install_docker() {  # the container sandbox: tasks with an environment/Dockerfile or docker_image
+  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install docker.io debootstrap yourself"; return 1; fi
+  local pkgs="docker.io debootstrap"
+  apt-get install -y --no-install-recommends $pkgs || { apt-get update && apt-get install -y --no-install-recommends $pkgs; }
+  command -v dockerd && command -v debootstrap
+}
+start_docker() {  # every time: a daemon does not survive a restart of the machine
+  docker info >/dev/null 2>&1 && return 0
+  [ "$(id -u)" = 0 ] && command -v dockerd >/dev/null 2>&1 || return 1
+  echo "setup: starting the Docker daemon (log: $STAMPS/dockerd.log)"
+  nohup dockerd >"$STAMPS/dockerd.log" 2>&1 &
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && return 0; sleep 1; done
+  return 1
+}
+if ! wanted docker; then :
+elif command -v dockerd >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }; then
+  command -v dockerd >/dev/null 2>&1 || run_step docker "apt" install_docker
+  if start_docker; then bash scripts/base_images.sh "$STAMPS" || fail docker "the local base images could not be made" \
+      "read the lines above (debootstrap needs Debian's package mirror), then re-run 'make setup'"
+  else echo "setup: the Docker daemon is not running and could not be started (see $STAMPS/dockerd.log): tasks that need an image, and their tests, will not run" >&2; fi
+else echo "setup: skipping Docker (needs root and apt): tasks that need an image, and their tests, will not run" >&2; fi
 echo "setup: ready ($DEVICE)"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.agents.harnesses import AdapterError, CommandHarness, make_harness
+from harness_trainer.agents.containers import ContainerSpec
 from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox, SandboxError
 from harness_trainer.rollouts.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
                                               run_rollout)
@@ -315,16 +316,17 @@ def test_reward_plugins(tmp_path, monkeypatch):
 def test_docker_without_a_daemon_is_a_clear_error(tmp_path):
     import shutil
 
-    from harness_trainer.agents.sandbox import make_sandbox
+    from harness_trainer.agents.sandboxes import prepare
 
     if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
         pytest.skip("a Docker daemon is running here")
-    with pytest.raises(SandboxError, match="--sandbox docker needs"):
-        make_sandbox("docker", tmp_path)
+    with pytest.raises(SandboxError, match="need a running Docker daemon|need Docker"):
+        prepare("docker", {"t": ContainerSpec()})
 
 
 def test_harbor_sandbox_errors_are_clear(tmp_path, monkeypatch):
-    from harness_trainer.agents.sandbox import REPO_ROOT, make_sandbox
+    from harness_trainer.agents.sandbox import REPO_ROOT
+    from harness_trainer.agents.sandboxes import make_sandbox
 
     monkeypatch.setenv("HARNESS_HARBOR_PYTHON", str(tmp_path / "no-python"))
     with pytest.raises(SandboxError, match="make setup HARBOR=1"):

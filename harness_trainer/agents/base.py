@@ -3,7 +3,7 @@ Adding an agent is one small class:
 
     name                       what --harness calls it
     check_installed()          raise AdapterError saying how to install it
-    prepare(run) -> (command, env)   a shell command run in the sandbox's /app, and its environment;
+    prepare(run) -> (command, env)   a shell command run in the sandbox's workdir, and its environment;
                                may write config files into the sandbox first
     collect(sandbox, result) -> AgentReport
 """
@@ -32,6 +32,7 @@ class AgentRun:
     step_limit: int = 30
     timeout_s: float = 600.0
     sandbox: Sandbox | None = None
+    workdir: str = "/app"  # where its commands run: the task image's WORKDIR in a container
 
 
 @dataclass

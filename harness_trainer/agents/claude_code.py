@@ -33,7 +33,7 @@ class ClaudeCode:
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         model = run.model
-        env = {"HOME": "/home", "HARNESS_TASK": run.instruction, "PWD": "/app",
+        env = {"HOME": "/home", "HARNESS_TASK": run.instruction, "PWD": run.workdir,
                "ANTHROPIC_BASE_URL": run.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": run.api_key,
                "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
                "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,

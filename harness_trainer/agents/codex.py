@@ -47,7 +47,7 @@ class Codex:
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         # TMPDIR must not contain CODEX_HOME, or codex cannot make its helper links and every command fails.
-        env = {"HOME": "/home", "CODEX_HOME": "/home/.codex", "TMPDIR": "/tmp", "PWD": "/app",
+        env = {"HOME": "/home", "CODEX_HOME": "/home/.codex", "TMPDIR": "/tmp", "PWD": run.workdir,
                "HARNESS_TASK": run.instruction, "HARNESS_CODEX_CONFIG": config_toml(run), KEY_VARIABLE: run.api_key,
                "RUST_LOG": "error", "NO_COLOR": "1"}
         events = "/logs/agent/events.jsonl"

@@ -54,7 +54,7 @@ class MiniSweAgent:
             "-c", shlex.quote(f"model.model_kwargs.api_base={run.base_url}"),
             "-c", shlex.quote(f"model.model_kwargs.api_key={run.api_key}"),
             *(["-c", "/logs/agent/config.yaml"] if self.config_text else []),
-            "-c", f"agent.step_limit={run.step_limit}", "-c", "environment.cwd=/app",
+            "-c", f"agent.step_limit={run.step_limit}", "-c", shlex.quote(f"environment.cwd={run.workdir}"),
             "-y", "--exit-immediately", "-t", '"$HARNESS_TASK"', "-o", "/logs/agent/traj.json", "</dev/null"])
         env = {"HARNESS_TASK": run.instruction, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_GLOBAL_CONFIG_DIR": "/home/.mini",
@@ -117,7 +117,7 @@ class OpenCode:
                                            "options": {"baseURL": run.base_url, "apiKey": run.api_key},
                                            "models": {run.model: {"name": run.model, "tool_call": True,
                                                                   "limit": {"context": 32768, "output": 1024}}}}}}
-        env = {"HARNESS_OPENCODE_CONFIG": json.dumps(config), "HARNESS_TASK": run.instruction, "PWD": "/app",
+        env = {"HARNESS_OPENCODE_CONFIG": json.dumps(config), "HARNESS_TASK": run.instruction, "PWD": run.workdir,
                "XDG_CONFIG_HOME": "/home/.config", "XDG_DATA_HOME": "/home/.local/share",
                "XDG_CACHE_HOME": "/home/.cache", "XDG_STATE_HOME": "/home/.local/state",
                "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",

@@ -7,10 +7,12 @@
 
 `local` needs no container runtime: each exec is a bubblewrap jail with a fresh tmpfs root, the system dirs
 and the agent programs bound read-only, per-trial writable /app /logs /tests and HOME, its own PID namespace
-(when its first process ends, the kernel kills every process left in it), and the host network (so the agent
-reaches the capture proxy on 127.0.0.1). `e2b` runs in E2B's cloud; `docker` needs a Docker daemon;
-`harbor[:ENV]` delegates to any Harbor environment backend through a bridge process in Harbor's own
-Python 3.12 environment.
+(when its first process ends, the kernel kills every process left in it) and its own network namespace: the
+only host service it reaches is the capture proxy, through the forwarder (agents/forwarder.py); no internet,
+whatever the task's allow_internet says (a jail has no route out: run such tasks under docker). `docker`
+(agents/containers.py) runs a task's own image; `e2b` runs in E2B's cloud; `harbor[:ENV]` delegates to any
+Harbor environment backend through a bridge process in Harbor's own Python 3.12 environment. The registry of
+names is agents/sandboxes.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pathlib import Path
 from typing import Protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SANDBOX_DIRS = ("app", "logs", "tests", "home", "tmp")
+SANDBOX_DIRS = ("app", "logs", "tests", "home", "tmp", "solution")
+FORWARDER = Path(__file__).with_name("forwarder.py")
 
 
 class SandboxError(RuntimeError):
@@ -44,6 +47,8 @@ class ExecResult:
 
 
 class Sandbox(Protocol):
+    workdir: str  # where the agent's commands run (the task image's WORKDIR; /app elsewhere)
+
     def start(self) -> None: ...
     def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult: ...
     def upload(self, src: Path, dst: str) -> None: ...
@@ -62,7 +67,8 @@ def agent_program_paths() -> list[Path]:
 
 
 class TrialDirs:
-    """A trial directory on the host whose subdirs are the sandbox's writable /app /logs /tests /home /tmp:
+    """A trial directory on the host whose subdirs are the sandbox's writable /app /logs /tests /home /tmp
+    /solution (filled for the oracle policy only):
     files move in and out by plain copies, whatever runs the commands."""
 
     def __init__(self, trial_dir: str | Path):
@@ -100,7 +106,16 @@ class TrialDirs:
         path.mkdir(parents=True, exist_ok=True)
 
 
-def _run(argv: list[str], timeout_s: float, on_timeout, on_start=None) -> ExecResult:
+def kill_group(process) -> None:
+    """SIGKILL a process started with start_new_session and everything in its group."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_process(argv: list[str], timeout_s: float, on_timeout, on_start=None) -> ExecResult:
     started = time.perf_counter()
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                start_new_session=True, text=True, errors="replace")
@@ -123,18 +138,30 @@ BASE_ENV = {"HOME": "/home", "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.
 class LocalSandbox(TrialDirs):
     """bubblewrap jail per exec, over a trial directory on the host."""
 
+    workdir = "/app"
+
     def __init__(self, trial_dir: str | Path, *, readonly: list[Path] | None = None, max_file_mb: int = 1024,
-                 max_open_files: int = 4096):
+                 max_open_files: int = 4096, proxy: tuple[str, int] | None = None):
         if not shutil.which("bwrap"):
             raise SandboxError("the local sandbox needs bubblewrap: `apt-get install bubblewrap` (make setup does "
                                "this as root), or choose --sandbox e2b|docker")
         super().__init__(trial_dir)
         self.readonly = readonly if readonly is not None else agent_program_paths()
         self.limits = f"ulimit -f {max_file_mb * 1024}; ulimit -n {max_open_files}; ulimit -c 0"
+        self.proxy, self.bridge = proxy, None
+
+    def start(self) -> None:
+        super().start()
+        if self.proxy:  # the jail's one road out: its loopback port -> this socket -> the proxy
+            from harness_trainer.agents.forwarder import SocketBridge
+
+            (self.trial / "run").mkdir(exist_ok=True)
+            shutil.copy(FORWARDER, self.trial / "run" / "forwarder.py")
+            self.bridge = SocketBridge(self.trial / "run" / "proxy.sock", *self.proxy)
 
     def _argv(self, command: str, env: dict[str, str]) -> list[str]:
         argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--tmpfs", "/", "--proc", "/proc", "--dev", "/dev"]
+                "--unshare-net", "--tmpfs", "/", "--proc", "/proc", "--dev", "/dev"]
         for top in ("usr", "etc", "opt", "bin", "sbin", "lib", "lib64"):
             path = Path("/") / top
             if path.is_symlink():
@@ -146,10 +173,15 @@ class LocalSandbox(TrialDirs):
         # After the writable dirs: a checkout under /tmp or /home must not be hidden by the trial's own.
         for path in self.readonly:
             argv += ["--ro-bind", str(path), str(path)]
+        forward = ""
+        if self.bridge is not None:
+            argv += ["--ro-bind", str(self.trial / "run"), "/run/harness"]
+            forward = (f"{Path(sys.base_prefix) / 'bin' / 'python3'} -S -I /run/harness/forwarder.py --port "
+                       f"{self.proxy[1]} --socket /run/harness/proxy.sock --background || exit 125; ")
         argv += ["--clearenv", "--chdir", "/app"]
         for key, value in env.items():
             argv += ["--setenv", key, value]
-        return argv + ["bash", "-c", f"{self.limits}; {command}"]
+        return argv + ["bash", "-c", f"{forward}{self.limits}; {command}"]
 
     _running = None
     _cancelled = False
@@ -158,15 +190,15 @@ class LocalSandbox(TrialDirs):
         if self._cancelled:  # cancelled before its agent even started
             return ExecResult(-signal.SIGKILL, "", "cancelled", False, 0.0)
         # At the timeout, killing the jail's process group takes its PID namespace and every process inside.
-        return _run(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s,
-                    lambda process: os.killpg(process.pid, signal.SIGKILL), on_start=self._started)
+        return run_process(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s, kill_group,
+                           on_start=self._started)
 
     def _started(self, process) -> None:
         with _CANCEL_LOCK:
             self._running = process
             cancelled = self._cancelled
         if cancelled:  # a cancel() that came between the check above and the jail's start
-            self._kill(process)
+            kill_group(process)
 
     def cancel(self) -> None:
         """Kill the exec in progress (its whole jail) and refuse later ones, from another thread."""
@@ -174,64 +206,18 @@ class LocalSandbox(TrialDirs):
             self._cancelled = True
             process = self._running
         if process is not None:
-            self._kill(process)
+            kill_group(process)
 
-    @staticmethod
-    def _kill(process) -> None:
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def stop(self) -> None:
-        pass  # nothing outlives an exec; the trial directory stays as the rollout's record
-
-
-class DockerSandbox(TrialDirs):
-    """One container per trial (`docker run -d ... sleep infinity`), the trial's dirs bind-mounted and the
-    agent programs mounted read-only; each exec is `docker exec`, and afterwards every process but the
-    container's init is killed, so nothing the agent started outlives its turn. The image needs bash (and
-    node for opencode)."""
-
-    def __init__(self, trial_dir: str | Path, image: str = "python:3.11-slim"):
-        if not shutil.which("docker"):
-            raise SandboxError("--sandbox docker needs the docker CLI and a running daemon; use --sandbox local")
-        info = subprocess.run(["docker", "info"], capture_output=True, text=True)
-        if info.returncode != 0:
-            raise SandboxError("--sandbox docker needs a running Docker daemon (`docker info` fails: "
-                               f"{(info.stderr or info.stdout).strip()[:200]}); use --sandbox local (bubblewrap)")
-        super().__init__(trial_dir)
-        self.image = image
-        self.name = f"harness-trial-{os.getpid()}-{abs(hash(self.trial)) % 10**8}"
-
-    def start(self) -> None:
-        super().start()
-        argv = ["docker", "run", "-d", "--rm", "--name", self.name, "--network", "host", "-w", "/app"]
-        for name in SANDBOX_DIRS:
-            argv += ["-v", f"{self.trial / name}:/{name}"]
-        for path in agent_program_paths():
-            argv += ["-v", f"{path}:{path}:ro"]
-        result = subprocess.run(argv + [self.image, "sleep", "infinity"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
-
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
-        argv = ["docker", "exec"]
-        for key, value in {**BASE_ENV, **(env or {})}.items():
-            argv += ["-e", f"{key}={value}"]
-        result = _run(argv + [self.name, "bash", "-c", command], timeout_s,
-                      lambda process: os.killpg(process.pid, signal.SIGKILL))
-        subprocess.run(["docker", "exec", self.name, "sh", "-c", "kill -9 -1"], capture_output=True)
-        return result
-
-    def stop(self) -> None:
-        subprocess.run(["docker", "rm", "-f", self.name], capture_output=True)
+    def stop(self) -> None:  # nothing outlives an exec; the trial directory stays as the rollout's record
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge = None
 
 
 class E2BSandbox:
     """E2B cloud sandbox (pip install e2b). Needs E2B_API_KEY, and a proxy URL the sandbox can reach
     (--public-url): a sandbox in the cloud cannot see 127.0.0.1 on this machine."""
+    workdir = "/app"
 
     def __init__(self, template: str = "base", *, public_url: str | None = None, timeout_s: int = 3600):
         if not os.environ.get("E2B_API_KEY"):
@@ -286,6 +272,7 @@ class E2BSandbox:
 class HarborSandbox:
     """Any of Harbor's environment backends (docker, modal, daytona, e2b, ... or `module:Class`), driven
     through `harbor_bridge.py` in the Harbor environment (`make setup HARBOR=1`: harbor needs Python 3.12)."""
+    workdir = "/app"
 
     def __init__(self, trial_dir: str | Path, environment: str, task_dir: Path | None = None):
         python = Path(os.environ.get("HARNESS_HARBOR_PYTHON", REPO_ROOT / ".venv-harbor" / "bin" / "python"))
@@ -340,16 +327,3 @@ class HarborSandbox:
                 pass
             self.bridge.kill()
             self.bridge.wait()
-
-
-def make_sandbox(kind: str, trial_dir: Path, **options) -> Sandbox:
-    if kind == "local":
-        return LocalSandbox(trial_dir)
-    if kind == "e2b":
-        return E2BSandbox(public_url=options.get("public_url"))
-    if kind == "docker":
-        return DockerSandbox(trial_dir, image=options.get("image") or "python:3.11-slim")
-    if kind == "harbor" or kind.startswith("harbor:"):
-        return HarborSandbox(trial_dir, kind.partition(":")[2] or "docker", options.get("task_dir"))
-    raise SandboxError(f"unknown sandbox '{kind}': choose local, e2b, docker or harbor[:ENV] (ENV: any Harbor "
-                       "environment type, e.g. docker, modal, daytona, or module:Class)")

@@ -119,13 +119,17 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
             raise EnvironmentContractError("--environment needs --reward-funcs module:f[,module:g] to score its episodes")
         tasks = load_rows(cfg.dataset)[: cfg.limit]
     else:
-        tasks = load_dataset(cfg.dataset)[: cfg.limit]
+        tasks = load_dataset(cfg.dataset, cfg.skip_invalid_tasks)[: cfg.limit]
+    if cfg.policy not in ("model", "oracle"):
+        raise ValueError(f"unknown --policy '{cfg.policy}': choose model or oracle")
     out = Path(cfg.output_dir)
+    if environment is None:  # refused tasks and images, before anything starts or any file is removed
+        from harness_trainer.agents.sandboxes import check_task_sandboxes
+
+        check_task_sandboxes(cfg, tasks, out / "builds")
     out.mkdir(parents=True, exist_ok=True)
     for name in ("rollouts.jsonl", "traces.jsonl"):
         (out / name).unlink(missing_ok=True)
-    if cfg.policy not in ("model", "oracle"):
-        raise ValueError(f"unknown --policy '{cfg.policy}': choose model or oracle")
     model = None if cfg.vllm_url else model_or_default(cfg.model, cfg.model_revision)
     records: list[RolloutRecord] = []
     with run_services(cfg, out, model=model, environment=environment, rollouts_dir=out,

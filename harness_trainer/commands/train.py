@@ -201,7 +201,7 @@ def follow_training(cfg: TrainRunConfig, model, tasks, resume: str | None) -> di
 def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
     from harness_trainer.agents.harnesses import make_harness
-    from harness_trainer.agents.sandbox import make_sandbox
+    from harness_trainer.agents.sandboxes import check_task_sandboxes
     from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
     from harness_trainer.rollouts.services import run_placement, run_services
@@ -214,10 +214,10 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     environment = white_box(cfg)  # (class, rows) for an --environment run, else None
     if environment is None:
         make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
-    tasks = environment[1] if environment else load_dataset(cfg.dataset)
+    tasks = environment[1] if environment else load_dataset(cfg.dataset, cfg.skip_invalid_tasks)
     model = model_or_default(cfg.model, cfg.model_revision)  # a Hub id is downloaded once, into the Hub cache
-    if cfg.sandbox != "local" and environment is None:  # raises with what is missing (credentials, daemon, URL)
-        make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
+    if environment is None:  # what is missing (credentials, daemon, URL), tasks refused, images built
+        check_task_sandboxes(cfg, tasks, Path(cfg.output_dir) / "builds")
     reward_fn, reward_funcs = resolve_rewards(cfg.reward, cfg.reward_funcs)
     out = Path(cfg.output_dir)
     resume = str(out / "latest") if cfg.resume_from_checkpoint == "latest" else cfg.resume_from_checkpoint

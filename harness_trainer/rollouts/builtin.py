@@ -82,7 +82,8 @@ def _toy(root: Path, pairs: list[tuple[str, str]], split: str) -> None:
         task = root / f"toy-{split}-{i:03d}-{word}-{file.removesuffix('.txt')}"
         _write(task / "instruction.md", f"Write the word {word} into the file {file}.\n")
         _write(task / "task.toml", f'[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 30\n\n'
-                                   f'[metadata]\nset = "toy"\nsplit = "{split}"\nword = "{word}"\nfile = "{file}"\n')
+                                   f'[metadata]\nset = "toy"\nsplit = "{split}"\nword = "{word}"\nfile = "{file}"\n'
+                                   'oracle = "inline"\n')
         _write(task / "environment" / "app" / ".keep", "")
         _write(task / "tests" / "test.sh", TOY_TEST.format(word=word, file=file), 0o755)
         _write(task / "solution" / "solve.sh", f"#!/bin/bash\necho {word} > {file}\n", 0o755)
@@ -94,7 +95,7 @@ def _bugfix(root: Path) -> None:
         module = filename.removesuffix(".py")
         _write(task / "instruction.md", f"In /app/{filename}: {instruction} Fix the bug.\n")
         _write(task / "task.toml", '[agent]\ntimeout_sec = 300\n\n[verifier]\ntimeout_sec = 60\n\n'
-                                   '[metadata]\nset = "bugfix"\n')
+                                   '[metadata]\nset = "bugfix"\noracle = "inline"\n')
         _write(task / "environment" / "app" / filename, source)
         _write(task / "tests" / "test.sh", BUG_TEST.format(module=module, calls=calls, expected=expected), 0o755)
         _write(task / "solution" / "solve.sh", f"#!/bin/bash\nsed -i \"{sed}\" {filename}\n", 0o755)

@@ -44,7 +44,8 @@ class RolloutConfig:
     engine_port: int = option(0, "port for the launched engine, the next ones on the following ports (0: free "
                                  "ones)")
     proxy_port: int = option(0, "port for the capture proxy (0: a free one)")
-    sandbox: str = option("local", "local (bubblewrap), e2b, docker or harbor[:ENV]")
+    sandbox: str = option("auto", "auto (a task with an image in a container, any other in bubblewrap), local "
+                                   "(bubblewrap: tasks that need an image are refused), docker, e2b or harbor[:ENV]")
     public_url: str | None = option(None, "URL at which remote sandboxes (e2b) reach the proxy; the proxy then "
                                           "listens on all interfaces")
     agent_step_limit: int = option(6, "agent steps per rollout")
@@ -53,7 +54,10 @@ class RolloutConfig:
     agent_config: str | None = option(None, "the agent's own set-up: full (its default), compact "
                                              "(mini-swe-agent, opencode: a short prompt), bare (claude-code), or "
                                              "a file: mini-swe-agent YAML or opencode.json, merged in")
-    reward_key: str = option("reward", "key of the verifier's reward.json")
+    reward_key: str = option("reward", "key of the verifier's reward.json to train on (its only key when it has "
+                                       "one; every key is kept in rollouts.jsonl)")
+    skip_invalid_tasks: bool = option(False, "run a dataset's readable tasks and warn about the others (default: "
+                                             "refuse it, listing every problem)")
 
     def __post_init__(self):
         if isinstance(self.vllm_url, str):  # one URL (the Python API, a YAML value), or "URL,URL"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import threading
 import time
 import uuid
@@ -49,11 +50,21 @@ def plausible_mistake(command: str) -> str:
 
 
 def solution_steps(task: Task) -> list[str]:
-    """The commands the oracle runs, one per model call: the whole solution at once, or with the task's
-    metadata `oracle = "per-line"` one line per call (long multi-turn rollouts)."""
-    lines = [line for line in task.solution.read_text().splitlines()
-             if line.strip() and not line.lstrip().startswith("#")]
-    return lines if task.metadata.get("oracle") == "per-line" else ["\n".join(lines)]
+    """The commands the oracle runs, one per model call. As Harbor's oracle (the default): one call that runs the
+    uploaded /solution/solve.sh, unchanged, through its shebang, with [solution] env. With the task's metadata
+    `oracle = "inline"`: the script's text itself (less its shebang), so traces show the commands a model must
+    learn (SFT demonstrations); `oracle = "per-line"`: one command line per call (long multi-turn rollouts)."""
+    mode = task.metadata.get("oracle")
+    if mode not in ("inline", "per-line"):
+        env = "".join(f"{key}={shlex.quote(value)} " for key, value in
+                      {"DEBIAN_FRONTEND": "noninteractive", **task.solution_env}.items())
+        return [f"chmod +x /solution/solve.sh 2>/dev/null; {env}/solution/solve.sh"]
+    lines = task.solution.read_text().splitlines()
+    if lines and lines[0].startswith("#!"):
+        lines = lines[1:]
+    if mode == "per-line":
+        return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return ["\n".join(lines).strip("\n")]
 
 
 class OracleUpstream:

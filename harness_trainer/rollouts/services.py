@@ -43,7 +43,8 @@ def run_placement(cfg) -> Placement:
                           trainer=hasattr(cfg, "trainer_gpus"))
 
 
-def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None) -> Callable:
+def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None,
+                    upload_solution: bool = False) -> Callable:
     """The factory the trainer (or eval) calls with its sampling policy: `cfg` is a RolloutConfig (or has its
     fields) plus max_tool_calling_iterations and max_completion_length for a white-box `environment` class."""
     if environment is not None:
@@ -54,7 +55,7 @@ def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path 
     return partial(LocalSessionFactory, proxy=proxy, harness=cfg.harness, sandbox=cfg.sandbox,
                    output_dir=output_dir or Path("runs/rollouts"), step_limit=cfg.agent_step_limit,
                    agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key, agent_command=cfg.agent_command,
-                   agent_config=cfg.agent_config, public_url=cfg.public_url)
+                   agent_config=cfg.agent_config, public_url=cfg.public_url, upload_solution=upload_solution)
 
 
 @contextlib.contextmanager
@@ -96,7 +97,8 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
             for i, launched in enumerate(engines):
                 watched[f"vLLM {i}" if i else "vLLM"] = (launched.managed, launched.cfg.startup_timeout_s)
             supervisor = stack.enter_context(Supervisor(watched))
-        yield Services(engine, proxy, session_factory(cfg, proxy.client, environment, rollouts_dir), supervisor)
+        yield Services(engine, proxy, session_factory(cfg, proxy.client, environment, rollouts_dir,
+                                                      upload_solution=oracle_tasks is not None), supervisor)
 
 
 def environment_sessions(environment_factory, args) -> tuple[Callable, ProxyServer]:

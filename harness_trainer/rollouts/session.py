@@ -32,7 +32,8 @@ from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
-from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError, make_sandbox
+from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError
+from harness_trainer.agents.sandboxes import make_sandbox
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
 from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
@@ -69,7 +70,8 @@ class RolloutRecord:
     agent_exit: int | None = None
     seconds: float = 0.0
     policy_versions: list[int] = field(default_factory=list)
-    verifier_output: str = ""  # the end of test.sh's stdout and stderr
+    verifier_output: str = ""  # the end of test.sh's stdout and stderr (/logs/verifier/test-stdout.txt)
+    verifier_rewards: dict = field(default_factory=dict)  # every number the verifier wrote, by key
     calls: list[dict] = field(default_factory=list)  # every captured call, ids left out: the rollout graph
     reward: float | None = None  # what the trainer trained on: the sum of reward_terms (rewards.score_group)
     reward_terms: dict | None = None  # each reward function's value, by name; None until scored
@@ -157,10 +159,13 @@ class LocalSession(CapturedSession):
             self.sandbox.start()
             if app := self.task.app_files():
                 self.sandbox.upload(app, "/app")
+            if f.upload_solution and self.task.solution:  # the oracle plays it from there, as Harbor's does
+                self.sandbox.upload(self.task.solution.parent, "/solution")
             command, env = f.harness.prepare(AgentRun(
                 instruction=self.task.instruction, base_url=f.agent_base_url(self.capture),
                 api_key=self.capture["api_key"], model=self.capture["model"], step_limit=f.step_limit,
-                timeout_s=self.timeout_s))
+                timeout_s=self.timeout_s, workdir=self.sandbox.workdir))
+            env = {**self.task.environment.env, **env}
         except (SandboxError, OSError) as exc:
             self.error = f"sandbox failed to start: {exc}"
             return
@@ -192,8 +197,8 @@ class LocalSession(CapturedSession):
             return VerifyResult(env_reward=None, done=True, metrics={"verifier": self.error or "no sandbox"})
         result: VerifierResult = verify(self.sandbox, self.task, self.factory.reward_key)
         output = "\n".join(part for part in (result.stdout.strip(), result.stderr.strip()) if part)
-        return VerifyResult(env_reward=result.reward, done=True,
-                            metrics={"verifier": result.detail, "verifier_output": output})
+        return VerifyResult(env_reward=result.reward, done=True, metrics={
+            "verifier": result.detail, "verifier_output": output, "verifier_rewards": result.rewards})
 
     def cancel(self) -> None:
         """Stop the agent now (from another thread): the rollout ends 'cancelled', unverified and untrained."""
@@ -217,7 +222,7 @@ class LocalSessionFactory:
                  sandbox: str = "local", output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
                  agent_timeout_s: float | None = None, max_model_calls: int | None = None,
                  reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None,
-                 agent_config: str | None = None):
+                 agent_config: str | None = None, upload_solution: bool = False):
         self.sampling = dict(sampling or {})
         self.proxy = proxy
         self.harness = make_harness(harness, agent_command, agent_config) if isinstance(harness, str) else harness
@@ -227,9 +232,12 @@ class LocalSessionFactory:
         self.step_limit, self.agent_timeout_s = step_limit, agent_timeout_s
         self.max_model_calls = max_model_calls if max_model_calls is not None else step_limit * 2 + 4
         self.reward_key = reward_key
+        self.upload_solution = upload_solution  # the oracle policy: each task's solution/ at /solution
 
     def make_sandbox(self, trial_dir: Path, task: Task) -> Sandbox:
-        return make_sandbox(self.sandbox_kind, trial_dir, public_url=self.public_url, task_dir=task.path)
+        return make_sandbox(self.sandbox_kind, trial_dir, task=task.name, spec=task.environment,
+                            proxy_url=self.proxy.url, public_url=self.public_url, task_dir=task.path,
+                            log_dir=self.output_dir / "builds")
 
     def agent_base_url(self, capture: dict) -> str:
         if self.public_url:
@@ -307,6 +315,7 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             invalid_tool_calls=report.invalid_tool_calls, training_trace=wire,
             verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
+            verifier_rewards=dict(verified.metrics.get("verifier_rewards") or {}),
             calls=calls, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
             environment=getattr(session, "environment", None))
     finally:

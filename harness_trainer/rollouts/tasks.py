@@ -1,25 +1,32 @@
-"""Harbor tasks, read natively.
+"""Harbor tasks, read natively: every field of Harbor's task.toml is honoured, refused with its reason, or
+warned about once (docs/rollouts.md has the table).
 
 A task is a folder:
-    task.toml          [agent] timeout_sec, [verifier] timeout_sec, [metadata] ... (all optional)
+    task.toml          [task] name/description, [agent] timeout_sec, [verifier] timeout_sec/env, [solution] env,
+                       [environment] (below), [metadata] ... (all optional)
     instruction.md     what the agent is told
-    environment/       the starting state; files in environment/app/ (or, without it, every file but the
-                       Dockerfile) are copied into the sandbox's /app
+    environment/       Dockerfile: the task's image, built by the container sandbox (agents/containers.py).
+                       Without a Dockerfile (or [environment] docker_image) the task needs no build: the files
+                       in environment/app/ (or, without it, in environment/) are copied into the sandbox's /app
     tests/test.sh      the verifier: writes /logs/verifier/reward.txt (one number) or reward.json
-    solution/solve.sh  optional: a known solution (the oracle policy replays it)
+    solution/solve.sh  optional: a known solution (the oracle policy plays it)
 
 Datasets: a local folder of task folders (or one task folder), `builtin:NAME` (shipped with the package),
 `hf:OWNER/NAME` (a Hugging Face dataset repo of Harbor tasks, from the local Hub cache: the Hub is not
-reachable offline), or a Harbor registry name `NAME@VERSION` (needs the network).
+reachable offline), or a Harbor registry name `NAME@VERSION` (needs the network). A dataset with bad tasks
+is refused with every problem listed, or, with `skip_invalid`, read without them (each named in a warning).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness_trainer.agents.containers import ContainerSpec
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
 
 
@@ -29,12 +36,17 @@ class TaskError(ValueError):
 
 @dataclass(frozen=True)
 class Task:
-    name: str
+    name: str  # the folder's name: unique in a dataset, the key of every record
     path: Path
     instruction: str
     agent_timeout_s: float = 600.0
-    verifier_timeout_s: float = 120.0
+    verifier_timeout_s: float = 600.0  # Harbor's default
     metadata: dict = field(default_factory=dict, hash=False, compare=False)
+    title: str = ""  # [task] name ("org/name"), when given
+    description: str = ""
+    environment: ContainerSpec = field(default_factory=ContainerSpec, hash=False, compare=False)
+    verifier_env: dict = field(default_factory=dict, hash=False, compare=False)  # resolved templates
+    solution_env: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def tests_dir(self) -> Path:
@@ -45,27 +57,177 @@ class Task:
         solve = self.path / "solution" / "solve.sh"
         return solve if solve.is_file() else None
 
+    @property
+    def needs_container(self) -> bool:
+        """Its environment is an image (a Dockerfile to build, or docker_image): it cannot run on the host."""
+        return self.environment.needs_container
+
     def app_files(self) -> Path | None:
+        """What a task without an image starts with in /app; None for a task whose image holds its files."""
+        if self.needs_container:
+            return None
         env = self.path / "environment"
         if (env / "app").is_dir():
             return env / "app"
         return env if env.is_dir() else None
 
 
-def _number(table: dict, key: str, where: str, default: float) -> float:
+# ---- task.toml: what each table may hold (anything else is warned about once, never fatal) ----------------
+KNOWN = {
+    "": {"schema_version", "version", "source", "task", "metadata", "agent", "verifier", "solution",
+         "environment", "steps", "artifacts", "multi_step_reward_strategy"},
+    "task": {"name", "description", "authors", "keywords", "version"},
+    "agent": {"timeout_sec", "user", "network_mode", "allowed_hosts"},
+    "verifier": {"timeout_sec", "env", "user", "network_mode", "allowed_hosts"},
+    "solution": {"env"},
+    "environment": {"build_timeout_sec", "docker_image", "os", "cpus", "memory_mb", "storage_mb", "memory",
+                    "storage", "gpus", "gpu_types", "mcp_servers", "env", "skills_dir", "healthcheck", "workdir",
+                    "allow_internet", "network_mode", "allowed_hosts"},
+}
+IGNORED = {  # read by Harbor, not by us: what happens instead
+    ("", "artifacts"): "artifacts are not collected (the trial folder keeps /app and /logs)",
+    ("agent", "user"): "the agent runs as the image's USER",
+    ("verifier", "user"): "the verifier runs as the image's USER",
+    ("environment", "skills_dir"): "skills are not copied into the agent's config",
+}
+_TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"harness-train: warning: {message}", file=sys.stderr)
+
+
+def resolve_env(table, where: str, problems: list[str]) -> dict[str, str]:
+    """An `env` table with Harbor's templates resolved from this host: `${VAR}` must be set here, `${VAR:-d}`
+    falls back to d. A missing variable is a problem that names it."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        problems.append(f"{where}: 'env' must be a table of NAME = \"value\"")
+        return {}
+    resolved = {}
+    for key, value in table.items():
+        if not isinstance(value, (str, int, float, bool)):
+            problems.append(f"{where}: env.{key} must be a string")
+            continue
+
+        def substitute(match: re.Match) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            problems.append(f"{where}: env.{key} needs ${{{name}}}, which is not set on this host: export it, or "
+                            f"write ${{{name}:-default}}")
+            return ""
+        resolved[str(key)] = _TEMPLATE.sub(substitute, str(value).lower() if isinstance(value, bool) else str(value))
+    return resolved
+
+
+def _seconds(table: dict, key: str, where: str, default: float | None, problems: list[str]) -> float | None:
     value = table.get(key, default)
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TaskError(f"{where}: '{key}' must be a positive number of seconds, not {value!r}")
+        problems.append(f"{where}: '{key}' must be a positive number of seconds, not {value!r}")
+        return default
     return float(value)
 
 
+def _size_mb(value, key: str, where: str, problems: list[str]) -> int | None:
+    """memory_mb / storage_mb, or the deprecated memory / storage = "4G" forms."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.]+)\s*([GMK])B?\s*", value.upper())
+        if not match:
+            problems.append(f"{where}: '{key}' = {value!r} is not a size like '4G' or '512M'")
+            return None
+        return int(float(match.group(1)) * {"G": 1024, "M": 1, "K": 1 / 1024}[match.group(2)])
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        problems.append(f"{where}: '{key}' must be a positive number of megabytes, not {value!r}")
+        return None
+    return int(value)
+
+
+def _network(table: dict, where: str, problems: list[str]) -> bool:
+    """allow_internet (Harbor's older key) or network_mode (its newer one) -> whether the trial gets internet."""
+    mode = table.get("network_mode")
+    if mode is not None:
+        if mode == "allowlist":
+            problems.append(f"{where}: network_mode = \"allowlist\" is not supported yet (hosts are not "
+                            "filtered): use \"public\" or \"no-network\"")
+            return False
+        if mode not in ("public", "no-network"):
+            problems.append(f"{where}: network_mode must be \"public\" or \"no-network\", not {mode!r}")
+        return mode == "public"
+    allow = table.get("allow_internet", True)
+    if not isinstance(allow, bool):
+        problems.append(f"{where}: allow_internet must be true or false, not {allow!r}")
+        return False
+    return allow
+
+
+def _environment(path: Path, table: dict, where: str, problems: list[str]) -> ContainerSpec:
+    dockerfile = path / "environment" / "Dockerfile"
+    image = table.get("docker_image")
+    if image is not None and not (isinstance(image, str) and image.strip()):
+        problems.append(f"{where}: docker_image must be an image name like \"python:3.11-slim\"")
+        image = None
+    if str(table.get("os", "linux")).lower() != "linux":
+        problems.append(f"{where}: os = {table['os']!r}: only linux tasks run here")
+    if table.get("gpus"):
+        problems.append(f"{where}: gpus = {table['gpus']}: trials with GPUs are not supported yet")
+    if table.get("mcp_servers"):
+        problems.append(f"{where}: mcp_servers: MCP servers for the agent are not supported yet")
+    cpus = table.get("cpus")
+    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus <= 0):
+        problems.append(f"{where}: cpus must be a positive number, not {cpus!r}")
+        cpus = None
+    workdir = table.get("workdir")
+    if workdir is not None and not (isinstance(workdir, str) and workdir.startswith("/")):
+        problems.append(f"{where}: workdir must be an absolute path, not {workdir!r}")
+        workdir = None
+    health = table.get("healthcheck")
+    if health is not None and not (isinstance(health, dict) and isinstance(health.get("command"), str)):
+        problems.append(f"{where}: healthcheck must be a table with a 'command'")
+        health = None
+    return ContainerSpec(
+        context=path / "environment" if dockerfile.is_file() else None, image=image.strip() if image else None,
+        workdir=workdir, cpus=float(cpus) if cpus else None,
+        memory_mb=_size_mb(table.get("memory_mb", table.get("memory")), "memory_mb", where, problems),
+        storage_mb=_size_mb(table.get("storage_mb", table.get("storage")), "storage_mb", where, problems),
+        build_timeout_s=_seconds(table, "build_timeout_sec", where, 600.0, problems),
+        allow_internet=_network(table, where, problems), env=resolve_env(table.get("env"), where, problems),
+        healthcheck=dict(health) if health else None)
+
+
+def _warn_unknown(config: dict, toml_path: Path) -> None:
+    for table, keys in KNOWN.items():
+        section = config if not table else config.get(table)
+        if not isinstance(section, dict):
+            continue
+        for key in section:
+            label = f"[{table}] {key}" if table else key
+            if key not in keys:
+                warn_once(f"{toml_path.name}: unknown key {label} (in {toml_path.parent.name} and maybe others): "
+                          "ignored")
+            elif (table, key) in IGNORED:
+                warn_once(f"{toml_path.name}: {label} is not applied: {IGNORED[(table, key)]}")
+
+
 def load_task(path: str | Path) -> Task:
+    """One task folder; TaskError lists every problem it has."""
     path = Path(path)
     toml_path, instruction_path = path / "task.toml", path / "instruction.md"
+    problems: list[str] = []
     if not instruction_path.is_file():
         raise TaskError(f"{path} is not a Harbor task: it has no instruction.md")
     if not (path / "tests" / "test.sh").is_file():
-        raise TaskError(f"{path} has no tests/test.sh: every task needs a verifier that writes "
+        problems.append(f"{path} has no tests/test.sh: every task needs a verifier that writes "
                         "/logs/verifier/reward.txt or reward.json")
     config = {}
     if toml_path.is_file():
@@ -73,33 +235,58 @@ def load_task(path: str | Path) -> Task:
             config = tomllib.loads(toml_path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise TaskError(f"{toml_path}: not valid TOML ({exc}); fix the file") from None
-    for section in ("agent", "verifier", "metadata"):
+    for section in ("task", "agent", "verifier", "solution", "environment", "metadata"):
         if section in config and not isinstance(config[section], dict):
-            raise TaskError(f"{toml_path}: [{section}] must be a table")
-    agent, verifier = config.get("agent", {}), config.get("verifier", {})
-    return Task(
+            problems.append(f"{toml_path}: [{section}] must be a table")
+            config.pop(section)
+    if config.get("steps"):
+        problems.append(f"{toml_path}: [[steps]] — multi-step tasks are not supported yet (each step's "
+                        "instruction and tests in one environment); split it into one task per step")
+    _warn_unknown(config, toml_path)
+    agent, verifier, info = config.get("agent", {}), config.get("verifier", {}), config.get("task", {})
+    task = Task(
         name=path.name, path=path.resolve(), instruction=instruction_path.read_text(encoding="utf-8").strip(),
-        agent_timeout_s=_number(agent, "timeout_sec", f"{toml_path} [agent]", 600.0),
-        verifier_timeout_s=_number(verifier, "timeout_sec", f"{toml_path} [verifier]", 120.0),
-        metadata=dict(config.get("metadata", {})))
+        agent_timeout_s=_seconds(agent, "timeout_sec", f"{toml_path} [agent]", 600.0, problems),
+        verifier_timeout_s=_seconds(verifier, "timeout_sec", f"{toml_path} [verifier]", 600.0, problems),
+        metadata=dict(config.get("metadata", {})), title=str(info.get("name", "")),
+        description=str(info.get("description", "")),
+        environment=_environment(path, config.get("environment", {}), f"{toml_path} [environment]", problems),
+        verifier_env=resolve_env(verifier.get("env"), f"{toml_path} [verifier]", problems),
+        solution_env=resolve_env(config.get("solution", {}).get("env"), f"{toml_path} [solution]", problems))
+    if problems:
+        raise TaskError("\n".join(problems))
+    return task
 
 
-def _tasks_in(folder: Path) -> list[Task]:
+def _tasks_in(folder: Path, skip_invalid: bool = False) -> list[Task]:
     if (folder / "instruction.md").is_file():
         return [load_task(folder)]
-    tasks = [load_task(p) for p in sorted(folder.iterdir()) if p.is_dir() and (p / "instruction.md").is_file()]
+    tasks, bad = [], []
+    for path in sorted(folder.iterdir()):
+        if path.is_dir() and (path / "instruction.md").is_file():
+            try:
+                tasks.append(load_task(path))
+            except TaskError as exc:
+                bad.append((path.name, str(exc)))
+    if bad and not skip_invalid:
+        listed = "\n".join(f"  {name}: {line}" for name, text in bad for line in text.splitlines())
+        raise TaskError(f"{len(bad)} of {len(tasks) + len(bad)} tasks in {folder} cannot be read:\n{listed}\n"
+                        "Fix them, or pass --skip-invalid-tasks to run the others")
+    for name, text in bad:
+        warn_once(f"skipping task {name}: {text.splitlines()[0]}" + (" (and more)" if "\n" in text else ""))
     if not tasks:
-        raise TaskError(f"{folder} holds no Harbor tasks (folders with instruction.md and tests/test.sh)")
+        raise TaskError(f"{folder} holds no Harbor tasks (folders with instruction.md and tests/test.sh)"
+                        + (" that can be read" if bad else ""))
     return tasks
 
 
-def load_dataset(spec: str) -> list[Task]:
+def load_dataset(spec: str, skip_invalid: bool = False) -> list[Task]:
     """Resolve a dataset spec to its tasks; see the module docstring for the forms."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in SETS:
             raise TaskError(f"no builtin dataset '{name}': choose one of {_builtin_names()}")
-        return _tasks_in(builtin_dataset(name))
+        return _tasks_in(builtin_dataset(name), skip_invalid)
     if spec.startswith("hf:"):
         repo = spec.removeprefix("hf:")
         try:
@@ -116,12 +303,12 @@ def load_dataset(spec: str) -> list[Task]:
         except Exception as exc:
             raise TaskError(f"could not fetch Hugging Face dataset {repo}: {exc}. Check the name and the network, "
                             "or pass a local folder of Harbor tasks") from None
-        return _tasks_in(Path(folder))
+        return _tasks_in(Path(folder), skip_invalid)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
             raise TaskError(f"{path} is a file; a dataset is a folder of Harbor tasks")
-        return _tasks_in(path)
+        return _tasks_in(path, skip_invalid)
     if "@" in spec and "/" not in spec:
         raise TaskError(f"'{spec}' looks like a Harbor registry dataset: resolving it needs the network and the "
                         "harbor package (make setup HARBOR=1). Offline, download it elsewhere and pass the folder")

@@ -1,11 +1,18 @@
-"""The verifier runs after the agent, in a step the agent cannot influence:
+"""The verifier runs after the agent, as Harbor runs it, in a step the agent cannot influence:
 
   1. the agent's exec has ended, and with it every process it started (the sandbox guarantees that);
   2. /logs/verifier and /tests are emptied, so nothing the agent planted there survives;
   3. the task's tests are copied in only now, so the agent never saw or changed them;
-  4. `bash /tests/test.sh` runs with the task's verifier timeout and a fixed PATH;
-  5. the reward is read from reward.json (its `reward_key`, default "reward") or reward.txt.
+  4. /tests/test.sh is made executable and run through its own shebang, with the task's [verifier] env (and
+     [environment] env) and verifier timeout (Harbor's default 600 s); its stdout and stderr go to
+     /logs/verifier/test-stdout.txt, kept in the rollout's record;
+  5. the rewards are read as Harbor 0.26's verifier reads them: reward.json when it is there (a flat object of
+     numbers, every key kept), else reward.txt (one number, as {"reward": x}). Harbor's docs say reward.txt
+     first; its code reads reward.json first, and the code is what Harbor users' tasks were checked against.
 
+The training reward is `reward_key`'s value (default "reward"); a reward.json without that key but with
+exactly one number uses that one; several numbers and none under the key leave the rollout unscorable, saying
+which keys there are (pass --reward-key, or a rollout_reward_fn that reads them all).
 A verifier that cannot run or writes no readable reward gives None (unscorable), never 0.
 """
 
@@ -13,20 +20,23 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from harness_trainer.agents.sandbox import Sandbox
 from harness_trainer.rollouts.tasks import Task
 
+TEST_STDOUT = "/logs/verifier/test-stdout.txt"
+
 
 @dataclass
 class VerifierResult:
     reward: float | None
     detail: str  # why the reward is what it is (or why there is none)
-    stdout: str = ""
+    stdout: str = ""  # the end of test-stdout.txt (test.sh's stdout and stderr)
     stderr: str = ""
+    rewards: dict = field(default_factory=dict)  # every number the verifier wrote, by key
 
 
 def _number(value) -> float | None:
@@ -44,7 +54,8 @@ def _fetch(sandbox: Sandbox, inside: str, folder: Path) -> str | None:
         return None
 
 
-def read_reward(sandbox: Sandbox, reward_key: str = "reward") -> tuple[float | None, str]:
+def read_rewards(sandbox: Sandbox) -> tuple[dict[str, float] | None, str]:
+    """Every number the verifier wrote ({"reward": x} for reward.txt), and where from; None with the reason."""
     with TemporaryDirectory() as tmp:
         reward_json = _fetch(sandbox, "/logs/verifier/reward.json", Path(tmp))
         reward_txt = None if reward_json is not None else _fetch(sandbox, "/logs/verifier/reward.txt", Path(tmp))
@@ -53,11 +64,15 @@ def read_reward(sandbox: Sandbox, reward_key: str = "reward") -> tuple[float | N
             data = json.loads(reward_json)
         except ValueError as exc:
             return None, f"reward.json is not JSON: {exc}"
-        value = data.get(reward_key) if isinstance(data, dict) else data
-        reward = _number(value)
-        if reward is None:
-            return None, f"reward.json has no number under '{reward_key}'"
-        return reward, f"reward.json[{reward_key}]"
+        if not isinstance(data, dict):
+            value = _number(data)
+            return ({"reward": value}, "reward.json") if value is not None else \
+                (None, f"reward.json holds {reward_json.strip()[:40]!r}, not an object of numbers")
+        numbers = {str(k): _number(v) for k, v in data.items()}
+        bad = [k for k, v in numbers.items() if v is None]
+        if bad or not numbers:
+            return None, (f"reward.json: {', '.join(bad)} not a finite number" if bad else "reward.json is empty")
+        return numbers, "reward.json"
     if reward_txt is not None:
         try:
             reward = _number(float(reward_txt.strip()))
@@ -65,20 +80,40 @@ def read_reward(sandbox: Sandbox, reward_key: str = "reward") -> tuple[float | N
             reward = None
         if reward is None:
             return None, f"reward.txt holds {reward_txt.strip()[:40]!r}, not a number"
-        return reward, "reward.txt"
+        return {"reward": reward}, "reward.txt"
     return None, "the verifier wrote neither reward.json nor reward.txt"
+
+
+def training_reward(rewards: dict[str, float], reward_key: str, source: str) -> tuple[float | None, str]:
+    """The one number training uses, by the rule in the module docstring."""
+    if reward_key in rewards:
+        return rewards[reward_key], f"{source}[{reward_key}]"
+    if len(rewards) == 1:
+        (key, value), = rewards.items()
+        return value, f"{source}[{key}] (its only key)"
+    return None, (f"{source} has {', '.join(sorted(rewards))} and no '{reward_key}': pass --reward-key with the one "
+                  "to train on, or a rollout_reward_fn that combines them")
+
+
+def read_reward(sandbox: Sandbox, reward_key: str = "reward") -> tuple[float | None, str]:
+    rewards, source = read_rewards(sandbox)
+    return (None, source) if rewards is None else training_reward(rewards, reward_key, source)
 
 
 def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> VerifierResult:
     sandbox.clear("/logs/verifier")
     sandbox.clear("/tests")
     sandbox.upload(task.tests_dir, "/tests")
-    result = sandbox.exec("bash /tests/test.sh", task.verifier_timeout_s,
-                          env={"PATH": "/usr/local/bin:/usr/bin:/bin"})
+    env = {**task.environment.env, **task.verifier_env}
+    result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1", task.verifier_timeout_s,
+                          env=env)
+    with TemporaryDirectory() as tmp:
+        output = (_fetch(sandbox, TEST_STDOUT, Path(tmp)) or "")[-8000:]
     if result.timed_out:
-        return VerifierResult(None, f"the verifier timed out after {task.verifier_timeout_s:.0f} s",
-                              result.stdout, result.stderr)
-    reward, detail = read_reward(sandbox, reward_key)
+        return VerifierResult(None, f"the verifier timed out after {task.verifier_timeout_s:.0f} s", output,
+                              result.stderr[-4000:])
+    rewards, source = read_rewards(sandbox)
+    reward, detail = (None, source) if rewards is None else training_reward(rewards, reward_key, source)
     if reward is None and result.returncode != 0:
         detail = f"test.sh exited {result.returncode} and {detail}"
-    return VerifierResult(reward, detail, result.stdout[-4000:], result.stderr[-4000:])
+    return VerifierResult(reward, detail, output, result.stderr[-4000:], rewards or {})

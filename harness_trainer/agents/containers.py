@@ -1,0 +1,292 @@
+"""Task environments as Harbor builds them, in Docker: one image per task (its environment/ folder as the build
+context of its Dockerfile, or its docker_image), one container per trial.
+
+Images are tagged by the digest of their build context (`harness-task/NAME:DIGEST`), so a task is built once
+and every rollout and later run reuses it until a file of its environment/ changes. `prepare_images` builds
+every task's image before the first rollout: a build that fails is one error naming each failed task and its
+build log, never a rollout that scores 0 in an environment that was not there.
+
+Why Docker's CLI rather than Harbor's own environment classes: harbor needs Python 3.12 (the trainer is
+3.11), so reusing them means a bridge process per trial (`--sandbox harbor:docker` still offers that); driving
+the CLI directly is a few commands, lets the trial keep the project's own isolation (its network namespace
+with the forwarder, agents/forwarder.py) and mounts, and reports build failures before any rollout.
+
+How the agent gets into an image that may hold neither Python nor Node: its runtime is mounted, read-only, at
+the same paths as on the host (the Python install behind the project's environments, .venv-mini, .tools:
+opencode, claude-code and codex are single native binaries). The image needs a glibc-based userland with bash
+(Debian, Ubuntu, python:*-slim: the common case); in one without (Alpine, distroless) the agent does not
+start, and the rollout is unscorable with that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness_trainer.agents.sandbox import (ExecResult, SandboxError, TrialDirs, agent_program_paths, kill_group,
+                                            run_process)
+
+DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
+LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
+FORWARDER = Path(__file__).with_name("forwarder.py")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """[environment] of a task, as the container sandbox applies it."""
+    context: Path | None = None  # environment/ when it holds a Dockerfile: the build context
+    image: str | None = None  # docker_image: used as it is
+    workdir: str | None = None  # where commands run (default: the image's WORKDIR)
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None  # not enforced by overlay2 without quotas: warned
+    build_timeout_s: float = 600.0
+    allow_internet: bool = True  # true: the container's bridge (never the host's loopback); false: no network
+    env: dict = field(default_factory=dict)  # set in the container (templates already resolved)
+    healthcheck: dict | None = None  # command, interval_sec, timeout_sec, retries, start_period_sec
+
+    @property
+    def needs_container(self) -> bool:
+        return self.context is not None or self.image is not None
+
+
+class BuildError(SandboxError):
+    """A task's image could not be built or found; the message names the task and its build log."""
+
+
+def docker_ready() -> None:
+    """The docker CLI and a daemon, or SandboxError saying what to do."""
+    try:
+        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                              text=True, timeout=60)
+    except FileNotFoundError:
+        raise SandboxError("container tasks need Docker: `apt-get install docker.io` (make setup does this as root), "
+                           "then start its daemon (`dockerd &`)") from None
+    if info.returncode != 0:
+        raise SandboxError("container tasks need a running Docker daemon (`docker info` fails: "
+                           f"{(info.stderr or info.stdout).strip()[:200]}): start it (`dockerd &` as root; make "
+                           "setup does), or run only tasks without an environment image under --sandbox local")
+
+
+def _docker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def image_exists(image: str) -> bool:
+    return _docker("image", "inspect", "--format", "{{.Id}}", image).returncode == 0
+
+
+def context_digest(context: Path) -> str:
+    """sha256 over every file of the build context: its path, whether it is executable, its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in context.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(context).as_posix()}\0{os.access(path, os.X_OK)}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-.")[:100] or "task"
+
+
+_LOCK = threading.Lock()
+_BUILDING: dict[str, threading.Lock] = {}
+
+
+def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
+    """The image a task's trials run: built (or reused) from its Dockerfile, its docker_image, or the default
+    image for a task that has neither. BuildError when it cannot be had."""
+    if spec.context is not None:
+        tag = f"harness-task/{_slug(name)}:{context_digest(spec.context)[:16]}"
+        with _LOCK:
+            lock = _BUILDING.setdefault(tag, threading.Lock())
+        with lock:  # concurrent rollouts of one task wait for one build
+            if not image_exists(tag):
+                _build(name, spec, tag, log_dir)
+        return tag
+    image = spec.image or DEFAULT_IMAGE
+    if not image_exists(image):
+        try:
+            pulled = _docker("pull", image, timeout_s=spec.build_timeout_s)
+            error = "" if pulled.returncode == 0 else (pulled.stderr or pulled.stdout).strip()[-300:]
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {spec.build_timeout_s:.0f} s"
+        if error:
+            what = "its docker_image" if spec.image else f"the default image for tasks without one ({DEFAULT_IMAGE})"
+            raise BuildError(f"task {name}: {what} {image} is not on this machine and could not be pulled: {error}. "
+                             f"Build or load it (`docker load`, `docker tag`), or give the task an environment/"
+                             "Dockerfile")
+    return image
+
+
+def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> None:
+    log = (log_dir or Path.cwd()) / f"build-{_slug(name)}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            built = subprocess.run(["docker", "build", "--label", "harness-trainer.task=" + name, "-t", tag,
+                                    str(spec.context)], stdout=out, stderr=subprocess.STDOUT,
+                                   timeout=spec.build_timeout_s)
+            failure = f"docker build exited {built.returncode}" if built.returncode else ""
+        except subprocess.TimeoutExpired:
+            failure = f"the build ran past build_timeout_sec ({spec.build_timeout_s:.0f} s)"
+    if failure:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
+        raise BuildError(f"task {name}: its environment/Dockerfile did not build ({failure}); the build log is {log}:"
+                         f"\n{tail}")
+    print(f"built the image of task {name} ({tag}) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None) -> dict[str, str]:
+    """Every task's image, before any rollout: {task name: image}. One BuildError lists every task that failed.
+    Also removes trial containers left by runs that no longer exist (a run killed with SIGKILL)."""
+    docker_ready()
+    remove_orphans()
+    images, failed = {}, []
+    for name, spec in tasks.items():
+        try:
+            images[name] = image_for(name, spec, log_dir)
+        except BuildError as exc:
+            failed.append(str(exc))
+    if failed:
+        raise BuildError(f"{len(failed)} of {len(tasks)} task environments could not be had; no rollout was "
+                         "started:\n" + "\n".join(failed))
+    return images
+
+
+def remove_orphans() -> list[str]:
+    """Remove trial containers whose run's process is gone; returns their names."""
+    listed = _docker("ps", "-a", "--filter", f"label={LABEL}", "--format", '{{.Names}} {{.Label "' + LABEL + '"}}')
+    gone = []
+    for line in listed.stdout.splitlines():
+        container, _, owner = line.partition(" ")
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _docker("rm", "-f", container)
+            gone.append(container)
+    return gone
+
+
+def image_config(image: str) -> dict:
+    answer = _docker("image", "inspect", "--format", "{{json .Config}}", image)
+    return json.loads(answer.stdout or "{}") or {} if answer.returncode == 0 else {}
+
+
+class DockerSandbox(TrialDirs):
+    """One container per trial from the task's image: its WORKDIR, ENV and USER honoured, cpus and memory
+    applied, no network or the bridge's (allow_internet), the trial's /logs and /home bind-mounted, the agent
+    programs mounted read-only. The capture proxy is reached through the forwarder, in the container's own
+    network namespace (agents/forwarder.py). Each exec is `docker exec`; afterwards every process but the
+    container's init is killed, so nothing the agent started outlives its turn. `stop()` removes it."""
+
+    MOUNTED = ("logs", "home")
+
+    def __init__(self, trial_dir: str | Path, image: str, spec: ContainerSpec | None = None,
+                 proxy: tuple[str, int] | None = None):
+        super().__init__(trial_dir)
+        self.image, self.spec, self.proxy = image, spec or ContainerSpec(), proxy
+        config = image_config(image)
+        self.workdir = self.spec.workdir or ((config.get("WorkingDir") or "/") if self.spec.needs_container else "/app")
+        self.name = f"harness-trial-{os.getpid()}-{hashlib.sha1(str(self.trial).encode()).hexdigest()[:10]}"
+        self.bridge = self.forwarder = None
+
+    def start(self) -> None:
+        super().start()
+        for name in self.MOUNTED:
+            (self.trial / name).chmod(0o777)  # the image's USER may not be root
+        spec, argv = self.spec, ["docker", "run", "-d", "--name", self.name, "--label", f"{LABEL}={os.getpid()}",
+                                 "--network", "bridge" if self.spec.allow_internet else "none",
+                                 "--entrypoint", "sleep", "-w", self.workdir]
+        if spec.cpus:
+            argv += ["--cpus", str(spec.cpus)]
+        if spec.memory_mb:
+            argv += ["--memory", f"{spec.memory_mb}m"]
+        for key, value in spec.env.items():
+            argv += ["-e", f"{key}={value}"]
+        for name in self.MOUNTED:
+            argv += ["-v", f"{self.trial / name}:/{name}"]
+        for path in agent_program_paths():
+            argv += ["-v", f"{path}:{path}:ro"]
+        result = subprocess.run(argv + [self.image, "infinity"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
+        self._root(f"mkdir -p {self.workdir} /logs/agent /logs/verifier /tests && chmod 777 /logs/agent /logs/verifier")
+        if self.proxy:
+            self._forward()
+        if spec.healthcheck:
+            self._healthy(spec.healthcheck)
+
+    def _root(self, command: str, timeout_s: float = 60) -> ExecResult:
+        return run_process(["docker", "exec", "-u", "root", self.name, "sh", "-c", command], timeout_s, kill_group)
+
+    def _forward(self) -> None:
+        """The proxy's port on the container's own loopback: a forwarder in its network namespace (entered from
+        the host, so the image needs no Python) to a Unix socket the host splices to the proxy."""
+        from harness_trainer.agents.forwarder import SocketBridge
+
+        host, port = self.proxy
+        socket_path = self.trial / "run" / "proxy.sock"
+        self.bridge = SocketBridge(socket_path, host, port)
+        pid = _docker("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip()
+        self.forwarder = subprocess.Popen(
+            ["nsenter", "-t", pid, "-n", sys.executable, "-S", "-I", str(FORWARDER), "--port", str(port),
+             "--socket", str(socket_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        if self.forwarder.stdout.readline().strip() != "listening":
+            raise SandboxError(f"the proxy forwarder did not start in {self.name}: {self.forwarder.stderr.read()[-300:]}")
+
+    def _healthy(self, check: dict) -> None:
+        """Harbor's healthcheck: the command must pass before the agent starts (retries, interval, timeout)."""
+        deadline = time.monotonic() + float(check.get("start_period_sec", 0))
+        failures, result = 0, None
+        while True:
+            result = self.exec(check["command"], float(check.get("timeout_sec", 30)))
+            if result.returncode == 0:
+                return
+            if time.monotonic() >= deadline:
+                failures += 1
+                if failures >= int(check.get("retries", 3)):
+                    break
+            time.sleep(float(check.get("interval_sec", 5)))
+        raise SandboxError(f"the task's healthcheck `{check['command']}` failed {failures} times: "
+                           f"{(result.stderr or result.stdout).strip()[-300:]}")
+
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+        argv = ["docker", "exec", "-w", self.workdir]
+        for key, value in {"HOME": "/home", **(env or {})}.items():  # the image's PATH and ENV stay its own
+            argv += ["-e", f"{key}={value}"]
+        result = run_process(argv + [self.name, "bash", "-c", command], timeout_s, kill_group)
+        self._root("kill -9 -1 2>/dev/null; true")
+        return result
+
+    def upload(self, src: Path, dst: str) -> None:
+        self._root(f"mkdir -p '{dst}'" if Path(src).is_dir() else f"mkdir -p '{Path(dst).parent}'")
+        source = f"{src}/." if Path(src).is_dir() else str(src)
+        copied = _docker("cp", source, f"{self.name}:{dst}")
+        if copied.returncode != 0:
+            raise SandboxError(f"could not copy {src} into {self.name}:{dst}: {copied.stderr.strip()[:300]}")
+        self._root(f"chmod -R a+rwX '{dst}'")  # docker cp leaves root's files; the image's USER may not be root
+
+    def download(self, src: str, dst: Path) -> None:
+        copied = _docker("cp", f"{self.name}:{src}", str(dst))
+        if copied.returncode != 0:
+            raise FileNotFoundError(f"{src} in {self.name}: {copied.stderr.strip()[:200]}")
+
+    def clear(self, inside: str) -> None:
+        self._root(f"rm -rf '{inside}' && mkdir -p '{inside}' && chmod 777 '{inside}'")
+
+    def stop(self) -> None:
+        if self.forwarder is not None:
+            kill_group(self.forwarder)
+            self.forwarder.wait()
+        if self.bridge is not None:
+            self.bridge.close()
+        _docker("rm", "-f", self.name)

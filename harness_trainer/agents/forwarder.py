@@ -1,0 +1,128 @@
+"""The one road out of a trial: a TCP port on the trial's own loopback, forwarded to the capture proxy over a
+Unix socket.
+
+Each trial runs in a network namespace of its own (bubblewrap's --unshare-net, a container's), so
+127.0.0.1 there is not the host's: the engine, its control routes and every other host service are out of
+reach. The capture proxy is reached through two hops that need no route and no privilege:
+
+    agent -> 127.0.0.1:PORT (in the trial)  --forwarder.py-->  trial/run/proxy.sock  --SocketBridge-->  proxy
+
+so the agent's base URL stays the proxy's own `http://127.0.0.1:PORT/v1`. The proxy still asks for the
+session's key on every call, and its admin routes for the admin key, which no trial holds.
+
+This file is also the in-trial half, run as a script by the host's Python (bound read-only into the jail, or
+in a container's network namespace through nsenter): stdlib only, nothing of the project imported.
+
+    python forwarder.py --port PORT --socket PATH [--background]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+
+CHUNK = 65536
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(CHUNK):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock, how in ((sink, socket.SHUT_WR), (source, socket.SHUT_RD)):
+            try:
+                sock.shutdown(how)
+            except OSError:
+                pass
+
+
+def _splice(client: socket.socket, connect) -> None:
+    """Both directions between `client` and a new connection from `connect()`; closes both when done."""
+    try:
+        upstream = connect()
+    except OSError:
+        client.close()
+        return
+    back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+    back.start()
+    _pump(client, upstream)
+    back.join()
+    client.close()
+    upstream.close()
+
+
+def _serve(listener: socket.socket, connect) -> None:
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:  # closed
+            return
+        threading.Thread(target=_splice, args=(client, connect), daemon=True).start()
+
+
+class SocketBridge:
+    """The host's half: a Unix socket in the trial folder whose every connection is spliced to the proxy's TCP
+    port. A thread of the calling process; `close()` stops it and removes the socket."""
+
+    def __init__(self, path: os.PathLike, host: str, port: int):
+        self.path = os.fspath(path)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        os.chmod(self.path, 0o666)  # an image's USER may not be root
+        self.listener.listen(64)
+        connect = lambda: socket.create_connection((host, port), timeout=30)  # noqa: E731
+        threading.Thread(target=_serve, args=(self.listener, lambda: _settle(connect())), daemon=True).start()
+
+    def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _settle(sock: socket.socket) -> socket.socket:
+    sock.settimeout(None)  # the connect timeout only: a model call may stream for minutes
+    return sock
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="forward 127.0.0.1:PORT in this namespace to a Unix socket")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--background", action="store_true", help="return once listening (the child serves)")
+    args = parser.parse_args(argv)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", args.port))
+    listener.listen(64)
+
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(args.socket)
+        return sock
+
+    if args.background:
+        if os.fork():
+            os._exit(0)  # the caller goes on only once the port listens: no race with the agent's first call
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # out of the agent's own output
+            os.dup2(devnull, fd)
+    else:
+        print("listening", flush=True)
+    _serve(listener, connect)
+
+
+if __name__ == "__main__":
+    main()

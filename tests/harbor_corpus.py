@@ -1,0 +1,137 @@
+"""Harbor-shaped tasks written here, one feature of the format each, for the container tests. Every one is
+won by its own solution/solve.sh (the oracle), and only where the environment was really built as its task
+says: each verifier checks what its Dockerfile, image, workdir, env tables or network setting made.
+
+    build        environment/Dockerfile with RUN, ENV, WORKDIR, COPY (FROM the local python:3.11-slim);
+                 solve.sh with comments and a heredoc that holds '#' lines and a blank line; test.sh with a
+                 python shebang; reward.json with two keys ("reward", "efficiency")
+    image        [environment] docker_image of an image with neither Python nor Node, workdir, env with a
+                 ${VAR:-default} template, allow_internet = false (the verifier checks there is no network
+                 interface but lo); [verifier] env; [solution] env; reward.json with one key ("correctness")
+    plain        no image: environment/app/ copied into /app (runs under local and docker alike)
+    multi-step   [[steps]]: refused with its reason (not part of the winning corpus)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BARE_IMAGE = "harness-test/bare:12"  # scripts/base_images.sh: bookworm without Python
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def build_task(root: Path) -> Path:
+    task = root / "build"
+    _write(task / "instruction.md", "Write the greeting and the number from data.txt into answer.txt.\n")
+    _write(task / "task.toml", '''schema_version = "1.1"
+
+[task]
+name = "harness-test/build"
+description = "an image built from its Dockerfile"
+
+[agent]
+timeout_sec = 120
+
+[verifier]
+timeout_sec = 60
+
+[environment]
+build_timeout_sec = 300
+cpus = 1
+memory_mb = 512
+''')
+    _write(task / "environment" / "Dockerfile", '''FROM python:3.11-slim
+RUN mkdir -p /srv/app && echo "built" > /srv/app/marker.txt
+ENV GREETING=hello
+WORKDIR /srv/app
+COPY data.txt /srv/app/data.txt
+''')
+    _write(task / "environment" / "data.txt", "42\n")
+    _write(task / "solution" / "solve.sh", '''#!/bin/bash
+# The answer: the image's ENV and the file its Dockerfile copied.
+
+# (a blank line above, a comment here: both must reach bash as written)
+number=$(cat data.txt)
+cat > answer.txt <<EOF
+# kept: a heredoc line that starts with #
+
+$GREETING $number
+EOF
+''', 0o755)
+    _write(task / "tests" / "test.sh", '''#!/usr/bin/env python3
+import json
+import pathlib
+
+answer = pathlib.Path("/srv/app/answer.txt")
+built = pathlib.Path("/srv/app/marker.txt").read_text() == "built\\n"
+right = answer.is_file() and answer.read_text() == "# kept: a heredoc line that starts with #\\n\\nhello 42\\n"
+print("built:", built, "answer:", answer.read_text() if answer.is_file() else None)
+pathlib.Path("/logs/verifier/reward.json").write_text(
+    json.dumps({"reward": float(built and right), "efficiency": 0.5}))
+''', 0o755)
+    return task
+
+
+def image_task(root: Path) -> Path:
+    task = root / "image"
+    _write(task / "instruction.md", "Write the word from $WORD_SOURCE into word.txt.\n")
+    _write(task / "task.toml", f'''[agent]
+timeout_sec = 120
+
+[verifier]
+timeout_sec = 60
+env = {{ EXPECTED = "${{HARNESS_CORPUS_WORD:-seven}}" }}
+
+[solution]
+env = {{ SOLUTION_WORD = "seven" }}
+
+[environment]
+docker_image = "{BARE_IMAGE}"
+workdir = "/work"
+allow_internet = false
+env = {{ WORD_SOURCE = "the solution's env" }}
+''')
+    _write(task / "solution" / "solve.sh", '#!/bin/bash\necho "$SOLUTION_WORD" > word.txt\n', 0o755)
+    _write(task / "tests" / "test.sh", '''#!/bin/bash
+# One network interface (lo): allow_internet = false. No python in the image. The word from the solution's env.
+interfaces=$(ls /sys/class/net | tr '\\n' ' ')
+python=$(command -v python3 || true)
+echo "interfaces: $interfaces python: ${python:-none} word: $(cat /work/word.txt 2>/dev/null)"
+if [ "$interfaces" = "lo " ] && [ -z "$python" ] && [ "$(cat /work/word.txt 2>/dev/null)" = "$EXPECTED" ]; then
+  echo '{"correctness": 1}' > /logs/verifier/reward.json
+else
+  echo '{"correctness": 0}' > /logs/verifier/reward.json
+fi
+''', 0o755)
+    return task
+
+
+def plain_task(root: Path) -> Path:
+    task = root / "plain"
+    _write(task / "instruction.md", "Copy the first line of notes.txt into first.txt.\n")
+    _write(task / "task.toml", "[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 60\n")
+    _write(task / "environment" / "app" / "notes.txt", "alpha\nbeta\n")
+    _write(task / "solution" / "solve.sh", "#!/bin/bash\n# first line only\nhead -n 1 notes.txt > first.txt\n", 0o755)
+    _write(task / "tests" / "test.sh", '''#!/bin/bash
+if [ "$(cat /app/first.txt 2>/dev/null)" = "alpha" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+''', 0o755)
+    return task
+
+
+def multi_step_task(root: Path) -> Path:
+    task = plain_task(root / "steps").rename(root / "multi-step")
+    (task / "task.toml").write_text('[[steps]]\nname = "one"\n\n[[steps]]\nname = "two"\n')
+    return task
+
+
+def corpus(root: Path) -> Path:
+    """The winning corpus (build, image, plain) in one dataset folder."""
+    for make in (build_task, image_task, plain_task):
+        make(root)
+    return root

@@ -1,0 +1,141 @@
+"""Real Harbor-shaped tasks as Harbor runs them: images built by a real Docker daemon from the tasks'
+Dockerfiles (base images made locally by scripts/base_images.sh), a container per trial, the verifier and the
+oracle as Harbor's, and a trial that reaches its own capture session and nothing else (bubblewrap and Docker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task
+from harness_trainer.agents.containers import LABEL, BuildError, DockerSandbox, docker_ready, image_for
+from harness_trainer.agents.sandbox import LocalSandbox, SandboxError
+from harness_trainer.agents.sandboxes import prepare
+from harness_trainer.rollouts.tasks import TaskError, load_dataset, load_task
+
+
+@pytest.fixture(scope="module")
+def docker():
+    """A running daemon: make setup starts one as root; elsewhere the container tests cannot run."""
+    try:
+        docker_ready()
+    except SandboxError as exc:
+        if os.geteuid() == 0:
+            pytest.fail(f"make setup should have started Docker: {exc}")
+        pytest.skip(f"no Docker daemon and not root: {exc}")
+
+
+def trial_containers() -> list[str]:
+    listed = subprocess.run(["docker", "ps", "-a", "--filter", f"label={LABEL}={os.getpid()}", "--format",
+                             "{{.Names}}"], capture_output=True, text=True)
+    return listed.stdout.split()
+
+
+def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, capsys):
+    tasks = {t.name: t for t in load_dataset(str(corpus(tmp_path / "corpus")))}
+    build, image, plain = tasks["build"], tasks["image"], tasks["plain"]
+    assert build.needs_container and image.needs_container and not plain.needs_container
+    assert build.title == "harness-test/build" and build.verifier_timeout_s == 60
+    assert (build.environment.cpus, build.environment.memory_mb, build.environment.build_timeout_s) == (1, 512, 300)
+    assert build.app_files() is None  # the Dockerfile's COPY makes /app; nothing is copied around it
+    assert image.environment.image == BARE_IMAGE and image.environment.workdir == "/work"
+    assert not image.environment.allow_internet and image.environment.env == {"WORD_SOURCE": "the solution's env"}
+    assert image.verifier_env == {"EXPECTED": "seven"} and image.solution_env == {"SOLUTION_WORD": "seven"}
+    monkeypatch.setenv("HARNESS_CORPUS_WORD", "eight")  # a template takes the host's value over its default
+    assert load_task(tmp_path / "corpus" / "image").verifier_env == {"EXPECTED": "eight"}
+    assert load_task(tmp_path / "corpus" / "plain").verifier_timeout_s == 60
+    # the defaults are Harbor's
+    (tmp_path / "corpus" / "plain" / "task.toml").write_text('[metadata]\nx = 1\n\n[verifier.odd]\n[frobnicate]\nk = 1\n')
+    assert load_task(tmp_path / "corpus" / "plain").verifier_timeout_s == 600
+    assert "unknown key frobnicate" in capsys.readouterr().err  # warned, not fatal
+    # every problem of every task in one error; or the readable ones with --skip-invalid-tasks
+    bad = tmp_path / "bad"
+    for make in (plain_task, build_task):
+        make(bad)
+    multi_step_task(bad)
+    (bad / "build" / "task.toml").write_text('[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\n'
+                                             '[environment]\nnetwork_mode = "allowlist"\n')
+    with pytest.raises(TaskError) as refused:
+        load_dataset(str(bad))
+    message = str(refused.value)
+    assert "2 of 3 tasks" in message and "multi-step tasks are not supported yet" in message
+    assert "HARNESS_NOT_SET_ANYWHERE" in message and "'timeout_sec' must be a positive" in message
+    assert "allowlist" in message and "--skip-invalid-tasks" in message
+    assert [t.name for t in load_dataset(str(bad), skip_invalid=True)] == ["plain"]
+    assert "skipping task multi-step" in capsys.readouterr().err
+
+
+def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_one_clear_error(tmp_path, docker):
+    tasks = {t.name: t.environment for t in load_dataset(str(corpus(tmp_path / "corpus")))}
+    with pytest.raises(SandboxError, match=r"2 task\(s\) need their own image .* build, image"):
+        prepare("local", tasks)
+    assert prepare("local", {"plain": tasks["plain"]}) == {}
+    broken = build_task(tmp_path / "broken")
+    (broken / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN echo cannot-build && exit 3\n")
+    with pytest.raises(BuildError) as failed:
+        prepare("auto", {"broken": load_task(broken).environment, **tasks}, tmp_path / "builds")
+    message = str(failed.value)
+    assert "1 of 3 task environments" in message and "task broken" in message and "exited" in message
+    assert (tmp_path / "builds" / "build-broken.log").read_text().count("cannot-build") >= 1
+    # the good image is built once and reused by its context's digest
+    first = image_for("build", tasks["build"])
+    assert first.startswith("harness-task/build:") and image_for("build", tasks["build"]) == first
+
+
+def _probe(port: int, request: str) -> str:
+    """A bash-only HTTP request (no curl, no python needed in the image): the status line, or why none."""
+    return (f"(exec 3<>/dev/tcp/127.0.0.1/{port} && printf '{request} HTTP/1.0\\r\\n%s\\r\\n\\r\\n' \"$AUTH\" >&3 && "
+            f"head -n 1 <&3 | tr -d '\\r') 2>/dev/null || echo unreachable")
+
+
+@pytest.mark.parametrize("kind", ["local", "docker"])
+def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, tmp_path, request):
+    """From inside a trial: the engine and its control routes are unreachable, the proxy's admin routes and
+    another session refuse this trial's key, its own session answers."""
+    if kind == "docker":
+        request.getfixturevalue("docker")
+    engine_port = int(engine.url.rsplit(":", 1)[1])
+    own, other = proxy.client.create_session(), proxy.client.create_session()
+    address = ("127.0.0.1", proxy.port)
+    box = LocalSandbox(tmp_path / "trial", proxy=address) if kind == "local" else \
+        DockerSandbox(tmp_path / "trial", BARE_IMAGE, load_task(image_task(tmp_path)).environment, proxy=address)
+    probes = {"engine": _probe(engine_port, "GET /v1/models"),
+              "engine control": _probe(engine_port, "POST /reset_prefix_cache"),
+              "admin": _probe(proxy.port, "GET /sessions"),
+              "other session": _probe(proxy.port, f"GET /sessions/{other['id']}/trace"),
+              "own session": _probe(proxy.port, "GET /v1/models")}
+    box.start()
+    try:
+        result = box.exec("; ".join(f"echo {name.replace(' ', '_')}: $({probe})" for name, probe in probes.items()),
+                          30, env={"AUTH": f"Authorization: Bearer {own['api_key']}"})
+    finally:
+        box.stop()
+    seen = dict(line.split(": ", 1) for line in result.stdout.strip().splitlines() if ": " in line)
+    assert len(seen) == 5 and not result.timed_out, (result.stdout, result.stderr)
+    assert seen["engine"] == seen["engine_control"] == "unreachable", seen
+    assert seen["admin"].split()[1] == seen["other_session"].split()[1] == "403", seen  # the key is a session's
+    assert seen["own_session"].split()[1] == "200", seen
+    if kind == "docker":
+        assert trial_containers() == []  # removed by stop()
+
+
+def test_the_oracle_wins_every_corpus_task_in_containers_through_mini_swe_agent(engine, docker, tmp_path):
+    """Harbor's oracle (solution/ uploaded, solve.sh run unchanged through its shebang) through the real agent,
+    each task in its built image; every reward.json key kept; under local the plain task still wins."""
+    from harness_trainer.commands.evaluate import EvalConfig, evaluate
+
+    dataset = corpus(tmp_path / "corpus")
+    summary, records = evaluate(EvalConfig(dataset=str(dataset), vllm_url=engine.url, policy="oracle",
+                                           agent_config="compact", max_concurrent_rollouts=3,
+                                           output_dir=str(tmp_path / "eval")))
+    by_task = {r.task: r for r in records}
+    assert summary.wins == summary.rollouts == 3, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
+    assert by_task["build"].verifier_rewards == {"reward": 1.0, "efficiency": 0.5}
+    assert by_task["image"].verifier_rewards == {"correctness": 1.0}  # its only key is the training reward
+    assert "interfaces: lo" in by_task["image"].verifier_output  # allow_internet = false: no network at all
+    assert trial_containers() == []
+    plain, _ = evaluate(EvalConfig(dataset=str(dataset / "plain"), vllm_url=engine.url, policy="oracle",
+                                   agent_config="compact", sandbox="local", output_dir=str(tmp_path / "local")))
+    assert plain.wins == 1
