@@ -129,12 +129,13 @@ def test_verifier_that_cannot_score_gives_none(tmp_path):
     box.start()
     for test, why in [("exit 3", "neither reward.json nor reward.txt"), ("echo lots > /logs/verifier/reward.txt",
                                                                         "not a number"),
-                      ("echo '{\"score\": 1}' > /logs/verifier/reward.json", "no number under 'reward'")]:
+                      ("echo '{\"score\": 1, \"style\": 0}' > /logs/verifier/reward.json", "and no 'reward'")]:
         task = load_task(make_task(tmp_path / why.replace(" ", "_").replace("'", ""), test=test))
         result = verify(box, task)
         assert result.reward is None and why in result.detail
     keyed = load_task(make_task(tmp_path / "keyed", test="echo '{\"score\": 0.5}' > /logs/verifier/reward.json"))
     assert verify(box, keyed, reward_key="score").reward == 0.5
+    assert verify(box, keyed).reward == 0.5  # the only key is the reward, whatever its name
 
 
 def test_e2b_without_credentials_is_a_clear_error_with_no_network(monkeypatch):

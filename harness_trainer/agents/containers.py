@@ -233,8 +233,8 @@ class DockerSandbox(TrialDirs):
         from harness_trainer.agents.forwarder import SocketBridge
 
         host, port = self.proxy
-        socket_path = self.trial / "run" / "proxy.sock"
-        self.bridge = SocketBridge(socket_path, host, port)
+        self.bridge = SocketBridge(None, host, port)
+        socket_path = self.bridge.path
         pid = _docker("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip()
         self.forwarder = subprocess.Popen(
             ["nsenter", "-t", pid, "-n", sys.executable, "-S", "-I", str(FORWARDER), "--port", str(port),

@@ -5,7 +5,7 @@ Each trial runs in a network namespace of its own (bubblewrap's --unshare-net, a
 127.0.0.1 there is not the host's: the engine, its control routes and every other host service are out of
 reach. The capture proxy is reached through two hops that need no route and no privilege:
 
-    agent -> 127.0.0.1:PORT (in the trial)  --forwarder.py-->  trial/run/proxy.sock  --SocketBridge-->  proxy
+    agent -> 127.0.0.1:PORT (in the trial)  --forwarder.py-->  /tmp/harness-trial-*/proxy.sock  --SocketBridge-->  proxy
 
 so the agent's base URL stays the proxy's own `http://127.0.0.1:PORT/v1`. The proxy still asks for the
 session's key on every call, and its admin routes for the admin key, which no trial holds.
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import shutil
 import socket
+import tempfile
 import threading
 
 CHUNK = 65536
@@ -65,14 +68,14 @@ def _serve(listener: socket.socket, connect) -> None:
 
 
 class SocketBridge:
-    """The host's half: a Unix socket in the trial folder whose every connection is spliced to the proxy's TCP
-    port. A thread of the calling process; `close()` stops it and removes the socket."""
+    """The host's half: a Unix socket whose every connection is spliced to the proxy's TCP port, in a short
+    private folder of its own (`folder`: a socket path must fit in 108 bytes, and a trial folder's may not).
+    A thread of the calling process; `close()` stops it and removes the folder."""
 
-    def __init__(self, path: os.PathLike, host: str, port: int):
-        self.path = os.fspath(path)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+    def __init__(self, path: os.PathLike | None, host: str, port: int):
+        self.folder = pathlib.Path(tempfile.mkdtemp(prefix="harness-trial-"))
+        self.folder.chmod(0o755)
+        self.path = os.fspath(path or self.folder / "proxy.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
         os.chmod(self.path, 0o666)  # an image's USER may not be root
@@ -86,10 +89,7 @@ class SocketBridge:
         except OSError:
             pass
         self.listener.close()
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _settle(sock: socket.socket) -> socket.socket:

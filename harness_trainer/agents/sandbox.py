@@ -155,9 +155,8 @@ class LocalSandbox(TrialDirs):
         if self.proxy:  # the jail's one road out: its loopback port -> this socket -> the proxy
             from harness_trainer.agents.forwarder import SocketBridge
 
-            (self.trial / "run").mkdir(exist_ok=True)
-            shutil.copy(FORWARDER, self.trial / "run" / "forwarder.py")
-            self.bridge = SocketBridge(self.trial / "run" / "proxy.sock", *self.proxy)
+            self.bridge = SocketBridge(None, *self.proxy)
+            shutil.copy(FORWARDER, self.bridge.folder / "forwarder.py")
 
     def _argv(self, command: str, env: dict[str, str]) -> list[str]:
         argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -175,7 +174,7 @@ class LocalSandbox(TrialDirs):
             argv += ["--ro-bind", str(path), str(path)]
         forward = ""
         if self.bridge is not None:
-            argv += ["--ro-bind", str(self.trial / "run"), "/run/harness"]
+            argv += ["--ro-bind", str(self.bridge.folder), "/run/harness"]
             forward = (f"{Path(sys.base_prefix) / 'bin' / 'python3'} -S -I /run/harness/forwarder.py --port "
                        f"{self.proxy[1]} --socket /run/harness/proxy.sock --background || exit 125; ")
         argv += ["--clearenv", "--chdir", "/app"]

@@ -86,6 +86,8 @@ def read_rewards(sandbox: Sandbox) -> tuple[dict[str, float] | None, str]:
 
 def training_reward(rewards: dict[str, float], reward_key: str, source: str) -> tuple[float | None, str]:
     """The one number training uses, by the rule in the module docstring."""
+    if source == "reward.txt":  # one number, whatever the key asked for
+        return rewards["reward"], source
     if reward_key in rewards:
         return rewards[reward_key], f"{source}[{reward_key}]"
     if len(rewards) == 1:
