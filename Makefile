@@ -41,6 +41,7 @@ bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
 	$(PY) bench/rollouts.py
+	$(PY) bench/sandboxes.py
 	$(PY) bench/trainer.py
 
 clean:

@@ -1,6 +1,9 @@
 """A trial's own cost, bubblewrap beside a container, measured interleaved in one run: start (with the proxy
-forwarder that isolates its network), one `true`, a verifier-sized exec, stop (the container removed). The
-container's image is cached (a task of harbor_corpus.py, built once before the timing).
+forwarder that isolates its network), one `true`, stop (the container removed). The container's image is
+cached (a task of harbor_corpus.py, built once before the timing). Then how the data path grows as its input
+doubles: a model call's body (a whole conversation: 100k tokens are ~400 KB of JSON) through the trial's
+forwarder beside the same call made directly on the host, and the build context's digest (read per image
+lookup unless its files' sizes and times are unchanged) as the context doubles.
 
     .venv/bin/python bench/sandboxes.py [--trials 10]
 """
@@ -8,16 +11,20 @@ container's image is cached (a task of harbor_corpus.py, built once before the t
 from __future__ import annotations
 
 import argparse
+import http.server
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harbor_corpus import build_task  # noqa: E402
-from harness_trainer.agents.containers import DockerSandbox, image_for  # noqa: E402
+from harness_trainer.agents.containers import DockerSandbox, _cached_digest, context_digest, image_for  # noqa: E402
 from harness_trainer.agents.forwarder import SocketBridge  # noqa: E402
 from harness_trainer.agents.sandbox import LocalSandbox  # noqa: E402
 from harness_trainer.rollouts.tasks import load_task  # noqa: E402
@@ -61,6 +68,75 @@ def main() -> None:
         m = medians[name]
         print(f"{name:<12} {m['start']:>8.3f} {m['exec']:>8.3f} {m['stop']:>8.3f} {m['total']:>8.3f}")
     print(f"container / bubblewrap, total per trial: {medians['container']['total'] / medians['bubblewrap']['total']:.1f}x")
+    data_path(root)
+
+
+CALLS = """
+import json, sys, time, urllib.request
+port, sizes, n = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+out = {}
+for size in sizes:
+    body = b"x" * size
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/", body)).read()
+        times.append(time.perf_counter() - started)
+    out[size] = sorted(times)[n // 2]
+print(json.dumps(out))
+"""
+
+
+class Echo(http.server.BaseHTTPRequestHandler):
+    """Stands in for the proxy: reads the body, answers with as many bytes (a long streamed answer's size)."""
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def data_path(root: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port, sizes = server.server_address[1], [100_000 * 2 ** k for k in range(5)]
+    args = [str(port), json.dumps(sizes), "9"]
+    direct = json.loads(subprocess.run([sys.executable, "-c", CALLS, *args], capture_output=True, text=True,
+                                       check=True).stdout)
+    box = LocalSandbox(root / "path", proxy=("127.0.0.1", port))
+    box.start()
+    (root / "path" / "app" / "calls.py").write_text(CALLS)
+    jailed = json.loads(box.exec("python3 calls.py " + " ".join(f"'{a}'" for a in args), 300).stdout)
+    peaks = {}  # the forwarder's peak RSS after calls of one size only (each exec: a fresh jail and forwarder)
+    for size in (sizes[0], sizes[-1]):
+        shown = box.exec(f"python3 calls.py {port} '[{size}]' 9 >/dev/null; "
+                         "grep VmHWM /proc/$(pgrep -x python3 | head -n 1)/status", 120).stdout.split()
+        peaks[size] = int(shown[1]) if len(shown) > 1 else None
+    box.stop()
+    server.shutdown()
+    print(f"\n{'body (and answer)':<18} {'direct s':>9} {'forwarded s':>12} {'ratio':>6}   (medians of 9)")
+    for size in sizes:
+        d, f = direct[str(size)], jailed[str(size)]
+        print(f"{size / 1000:>8.0f} KB          {d:>9.4f} {f:>12.4f} {f / d:>6.2f}")
+    print("forwarder peak RSS: " + ", ".join(f"{kb} KB after {size / 1000:.0f} KB bodies" for size, kb in peaks.items()))
+    print(f"\n{'context':<10} {'digest s':>9} {'cached s':>9}")
+    context = root / "context"
+    for k in range(4):
+        context.mkdir(exist_ok=True)
+        (context / f"data-{k}.bin").write_bytes(b"d" * (16 << 20) * (2 ** k if k == 0 else 2 ** (k - 1)))
+        total = sum(p.stat().st_size for p in context.iterdir()) >> 20
+        started = time.perf_counter()
+        context_digest(context)
+        full = time.perf_counter() - started
+        _cached_digest(context)
+        started = time.perf_counter()
+        _cached_digest(context)
+        print(f"{total:>6} MB   {full:>9.3f} {time.perf_counter() - started:>9.5f}")
 
 
 if __name__ == "__main__":

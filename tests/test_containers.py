@@ -139,3 +139,47 @@ def test_the_oracle_wins_every_corpus_task_in_containers_through_mini_swe_agent(
     plain, _ = evaluate(EvalConfig(dataset=str(dataset / "plain"), vllm_url=engine.url, policy="oracle",
                                    agent_config="compact", sandbox="local", output_dir=str(tmp_path / "local")))
     assert plain.wins == 1
+
+
+HOLDER = """
+import sys, threading, time
+from pathlib import Path
+from harness_trainer.agents.containers import DockerSandbox
+from harness_trainer.agents.sandbox import LocalSandbox
+from harness_trainer.agents.containers import ContainerSpec
+root, port = Path(sys.argv[1]), int(sys.argv[2])
+boxes = [LocalSandbox(root / "local", proxy=("127.0.0.1", port)),
+         DockerSandbox(root / "docker", sys.argv[3], ContainerSpec(image=sys.argv[3]), proxy=("127.0.0.1", port))]
+for box in boxes:
+    box.start()
+    threading.Thread(target=box.exec, args=("sleep 300", 600), daemon=True).start()
+print("running", flush=True)
+time.sleep(600)
+"""
+
+
+def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tmp_path):
+    """A run SIGKILLed mid-rollout (no stop(), no cleanup of ours): its jail, its container and both forwarders
+    end by themselves within seconds."""
+    import signal
+    import sys
+    import time
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), str(proxy.port), BARE_IMAGE],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "running"
+    pid = holder.pid
+    os.kill(pid, signal.SIGKILL)
+    holder.wait()
+
+    def left() -> list[str]:
+        containers = subprocess.run(["docker", "ps", "-a", "--filter", f"label={LABEL}={pid}", "--format",
+                                     "{{.Names}}"], capture_output=True, text=True).stdout.split()
+        processes = subprocess.run(["pgrep", "-af", "--", f"--watch {pid}|{tmp_path}"], capture_output=True,
+                                   text=True).stdout.splitlines()
+        return containers + processes
+
+    deadline = time.monotonic() + 30
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == []

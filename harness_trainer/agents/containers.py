@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -93,19 +94,36 @@ def context_digest(context: Path) -> str:
     return digest.hexdigest()
 
 
+_LOCK = threading.Lock()
+_BUILDING: dict[str, threading.Lock] = {}  # per tag: concurrent rollouts of one task wait for one build
+_DIGESTS: dict[Path, tuple[tuple, str]] = {}
+
+
+def _cached_digest(context: Path) -> str:
+    """context_digest, read again only when a file's size, time or mode changed: every trial asks for its image,
+    and a context can hold hundreds of megabytes of data."""
+    files = sorted(p for p in context.rglob("*") if p.is_file())
+    signature = tuple((str(p), st.st_size, st.st_mtime_ns, st.st_mode) for p in files for st in (p.stat(),))
+    with _LOCK:
+        known = _DIGESTS.get(context)
+    if known and known[0] == signature:
+        return known[1]
+    digest = context_digest(context)
+    with _LOCK:
+        _DIGESTS[context] = (signature, digest)
+    return digest
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-.")[:100] or "task"
 
-
-_LOCK = threading.Lock()
-_BUILDING: dict[str, threading.Lock] = {}
 
 
 def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
     """The image a task's trials run: built (or reused) from its Dockerfile, its docker_image, or the default
     image for a task that has neither. BuildError when it cannot be had."""
     if spec.context is not None:
-        tag = f"harness-task/{_slug(name)}:{context_digest(spec.context)[:16]}"
+        tag = f"harness-task/{_slug(name)}:{_cached_digest(spec.context)[:16]}"
         with _LOCK:
             lock = _BUILDING.setdefault(tag, threading.Lock())
         with lock:  # concurrent rollouts of one task wait for one build
@@ -133,8 +151,8 @@ def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> No
     started = time.perf_counter()
     with open(log, "w") as out:
         try:
-            built = subprocess.run(["docker", "build", "--label", "harness-trainer.task=" + name, "-t", tag,
-                                    str(spec.context)], stdout=out, stderr=subprocess.STDOUT,
+            built = subprocess.run(["docker", "build", "--force-rm", "--label", "harness-trainer.task=" + name,
+                                    "-t", tag, str(spec.context)], stdout=out, stderr=subprocess.STDOUT,
                                    timeout=spec.build_timeout_s)
             failure = f"docker build exited {built.returncode}" if built.returncode else ""
         except subprocess.TimeoutExpired:
@@ -236,10 +254,13 @@ class DockerSandbox(TrialDirs):
         self.bridge = SocketBridge(None, host, port)
         socket_path = self.bridge.path
         pid = _docker("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip()
+        # It watches this process: if the run is SIGKILLed, the forwarder exits and the shell around it removes
+        # the container (stop() does both otherwise).
+        forward = shlex.join(["nsenter", "-t", pid, "-n", sys.executable, "-S", "-I", str(FORWARDER), "--port",
+                              str(port), "--socket", str(socket_path), "--watch", str(os.getpid())])
         self.forwarder = subprocess.Popen(
-            ["nsenter", "-t", pid, "-n", sys.executable, "-S", "-I", str(FORWARDER), "--port", str(port),
-             "--socket", str(socket_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+            ["sh", "-c", f"{forward}; docker rm -f {self.name} >/dev/null 2>&1; rm -rf {self.bridge.folder}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if self.forwarder.stdout.readline().strip() != "listening":
             raise SandboxError(f"the proxy forwarder did not start in {self.name}: {self.forwarder.stderr.read()[-300:]}")
 

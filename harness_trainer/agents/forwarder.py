@@ -13,7 +13,7 @@ session's key on every call, and its admin routes for the admin key, which no tr
 This file is also the in-trial half, run as a script by the host's Python (bound read-only into the jail, or
 in a container's network namespace through nsenter): stdlib only, nothing of the project imported.
 
-    python forwarder.py --port PORT --socket PATH [--background]
+    python forwarder.py --port PORT --socket PATH --watch PID [--background]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 
 CHUNK = 65536
 
@@ -97,10 +98,24 @@ def _settle(sock: socket.socket) -> socket.socket:
     return sock
 
 
+def _watch(pid: int) -> None:
+    """Exit once `pid` is gone: a forwarder must not outlive what it serves, even when that was SIGKILLed (a
+    jail's init waits for every child, so a forwarder left running would keep the jail alive too)."""
+    while True:
+        time.sleep(1)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:  # alive, owned by another user
+            pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="forward 127.0.0.1:PORT in this namespace to a Unix socket")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--socket", required=True)
+    parser.add_argument("--watch", type=int, required=True, help="exit when this process is gone")
     parser.add_argument("--background", action="store_true", help="return once listening (the child serves)")
     args = parser.parse_args(argv)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -121,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             os.dup2(devnull, fd)
     else:
         print("listening", flush=True)
+    threading.Thread(target=_watch, args=(args.watch,), daemon=True).start()  # after the fork: threads do not cross it
     _serve(listener, connect)
 
 

@@ -176,7 +176,7 @@ class LocalSandbox(TrialDirs):
         if self.bridge is not None:
             argv += ["--ro-bind", str(self.bridge.folder), "/run/harness"]
             forward = (f"{Path(sys.base_prefix) / 'bin' / 'python3'} -S -I /run/harness/forwarder.py --port "
-                       f"{self.proxy[1]} --socket /run/harness/proxy.sock --background || exit 125; ")
+                       f"{self.proxy[1]} --socket /run/harness/proxy.sock --watch $$ --background || exit 125; ")
         argv += ["--clearenv", "--chdir", "/app"]
         for key, value in env.items():
             argv += ["--setenv", key, value]
