@@ -67,7 +67,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     assert "skipping task multi-step" in capsys.readouterr().err
 
 
-def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_one_clear_error(tmp_path, docker):
+def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_one_clear_error(tmp_path, docker,
+                                                                                                  capsys):
     tasks = {t.name: t.environment for t in load_dataset(str(corpus(tmp_path / "corpus")))}
     with pytest.raises(SandboxError, match=r"2 task\(s\) need their own image .* build, image"):
         prepare("local", tasks)
@@ -79,6 +80,14 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     message = str(failed.value)
     assert "1 of 3 task environments" in message and "task broken" in message and "exited" in message
     assert (tmp_path / "builds" / "build-broken.log").read_text().count("cannot-build") >= 1
+    # a task that runs in bubblewrap but whose verifier downloads its tools: said before the run, not after
+    from harness_trainer.agents.sandboxes import check_task_sandboxes
+    from harness_trainer.rollouts.config import RolloutConfig
+
+    online = plain_task(tmp_path / "online")
+    (online / "tests" / "test.sh").write_text("#!/bin/bash\napt-get install -y curl && curl -LsSf x | sh\n")
+    check_task_sandboxes(RolloutConfig(sandbox="auto"), [load_task(online)])
+    assert "seems to download tools (plain)" in capsys.readouterr().err
     # the good image is built once and reused by its context's digest
     first = image_for("build", tasks["build"])
     assert first.startswith("harness-task/build:") and image_for("build", tasks["build"]) == first
@@ -121,14 +130,19 @@ def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, t
         assert trial_containers() == []  # removed by stop()
 
 
-def test_the_oracle_wins_every_corpus_task_in_containers_through_mini_swe_agent(engine, docker, tmp_path):
+@pytest.mark.parametrize("harness,config", [
+    ("mini-swe-agent", "compact"),
+    pytest.param("opencode", "compact", marks=pytest.mark.slow), pytest.param("claude-code", "bare", marks=pytest.mark.slow)],
+    ids=["mini-swe-agent", "opencode", "claude-code"])
+def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine, docker, tmp_path):
     """Harbor's oracle (solution/ uploaded, solve.sh run unchanged through its shebang) through the real agent,
-    each task in its built image; every reward.json key kept; under local the plain task still wins."""
+    each task in its built image (one without Python or Node among them: the agent's runtime is mounted); every
+    reward.json key kept; under local the plain task still wins."""
     from harness_trainer.commands.evaluate import EvalConfig, evaluate
 
     dataset = corpus(tmp_path / "corpus")
-    summary, records = evaluate(EvalConfig(dataset=str(dataset), vllm_url=engine.url, policy="oracle",
-                                           agent_config="compact", max_concurrent_rollouts=3,
+    summary, records = evaluate(EvalConfig(dataset=str(dataset), harness=harness, vllm_url=engine.url,
+                                           policy="oracle", agent_config=config, max_concurrent_rollouts=3,
                                            output_dir=str(tmp_path / "eval")))
     by_task = {r.task: r for r in records}
     assert summary.wins == summary.rollouts == 3, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
@@ -136,8 +150,9 @@ def test_the_oracle_wins_every_corpus_task_in_containers_through_mini_swe_agent(
     assert by_task["image"].verifier_rewards == {"correctness": 1.0}  # its only key is the training reward
     assert "interfaces: lo" in by_task["image"].verifier_output  # allow_internet = false: no network at all
     assert trial_containers() == []
-    plain, _ = evaluate(EvalConfig(dataset=str(dataset / "plain"), vllm_url=engine.url, policy="oracle",
-                                   agent_config="compact", sandbox="local", output_dir=str(tmp_path / "local")))
+    plain, _ = evaluate(EvalConfig(dataset=str(dataset / "plain"), harness=harness, vllm_url=engine.url,
+                                   policy="oracle", agent_config=config, sandbox="local",
+                                   output_dir=str(tmp_path / "local")))
     assert plain.wins == 1
 
 
@@ -183,3 +198,43 @@ def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tm
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left() == []
+
+
+def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docker, tmp_path):
+    """The trainer cancels stale rollouts from another thread: killing the docker CLI alone would leave the agent
+    running inside the container."""
+    import threading
+    import time
+
+    box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, load_task(image_task(tmp_path)).environment)
+    box.start()
+    try:
+        threading.Timer(1.0, box.cancel).start()
+        started = time.monotonic()
+        result = box.exec("sleep 120", 300)
+        assert time.monotonic() - started < 30 and result.returncode != 0
+        assert box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip() == "1"  # the container's own
+        assert box.exec("true", 10).stderr == "cancelled"  # and no later exec starts
+    finally:
+        box.stop()
+    assert trial_containers() == []
+
+
+@pytest.mark.slow
+def test_two_training_steps_on_the_corpus_in_containers(docker, fresh_engine, tmp_path):
+    """`harness-train` through mini-swe-agent on the Harbor corpus: the image tasks in their containers, the plain
+    one in bubblewrap; every rollout scored (the random model's reward may be 0, but never unscorable), the
+    policy synced twice, nothing left running."""
+    import json
+
+    from conftest import run_smoke
+
+    dataset = corpus(tmp_path / "corpus")
+    out = run_smoke(tmp_path, "--dataset", str(dataset), "--agent-config", "compact", "--vllm-url", fresh_engine.url)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and summary["policy_version"] == 3
+    assert rows and all(r["status"] in ("ok", "timeout") for r in rows), [(r["task"], r["reason"]) for r in rows]
+    assert {r["task"] for r in rows} & {"build", "image"}, "no rollout ran in a container"
+    assert subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL}"], capture_output=True,
+                          text=True).stdout.strip() == ""

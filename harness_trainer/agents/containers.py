@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness_trainer.agents.sandbox import (ExecResult, SandboxError, TrialDirs, agent_program_paths, kill_group,
-                                            run_process)
+from harness_trainer.agents.sandbox import (ExecResult, Execs, SandboxError, TrialDirs, agent_program_paths,
+                                            kill_group, run_process)
 
 DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
 LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
@@ -194,8 +194,11 @@ def remove_orphans() -> list[str]:
 
 
 def image_config(image: str) -> dict:
+    """The image's Config (WorkingDir, Env, User, ...); {} when it cannot be read."""
     answer = _docker("image", "inspect", "--format", "{{json .Config}}", image)
-    return json.loads(answer.stdout or "{}") or {} if answer.returncode == 0 else {}
+    if answer.returncode != 0:
+        return {}
+    return json.loads(answer.stdout or "null") or {}
 
 
 class DockerSandbox(TrialDirs):
@@ -215,6 +218,7 @@ class DockerSandbox(TrialDirs):
         self.workdir = self.spec.workdir or ((config.get("WorkingDir") or "/") if self.spec.needs_container else "/app")
         self.name = f"harness-trial-{os.getpid()}-{hashlib.sha1(str(self.trial).encode()).hexdigest()[:10]}"
         self.bridge = self.forwarder = None
+        self.execs = Execs()
 
     def start(self) -> None:
         super().start()
@@ -284,9 +288,13 @@ class DockerSandbox(TrialDirs):
         argv = ["docker", "exec", "-w", self.workdir]
         for key, value in {"HOME": "/home", **(env or {})}.items():  # the image's PATH and ENV stay its own
             argv += ["-e", f"{key}={value}"]
-        result = run_process(argv + [self.name, "bash", "-c", command], timeout_s, kill_group)
-        self._root("kill -9 -1 2>/dev/null; true")
+        result = self.execs.run(argv + [self.name, "bash", "-c", command], timeout_s)
+        self._root("kill -9 -1 2>/dev/null; true")  # what the CLI's death (timeout, cancel) left running inside
         return result
+
+    def cancel(self) -> None:
+        """Stop the exec in progress (from another thread) and refuse later ones: the rollout ends cancelled."""
+        self.execs.cancel()
 
     def upload(self, src: Path, dst: str) -> None:
         self._root(f"mkdir -p '{dst}'" if Path(src).is_dir() else f"mkdir -p '{Path(dst).parent}'")

@@ -111,7 +111,10 @@ class OpenCode:
             raise AdapterError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
-        config = self.overrides | {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+        # The sandbox is the boundary: opencode's own prompts for files outside its project folder (a task's /srv,
+        # /solution, /tmp) would be refused in a non-interactive run, a tool failure that looks like the model's.
+        config = {"permission": {"edit": "allow", "bash": "allow", "webfetch": "allow", "external_directory": "allow"}} \
+            | self.overrides | {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
                   "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
                   "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
                                            "options": {"baseURL": run.base_url, "apiKey": run.api_key},

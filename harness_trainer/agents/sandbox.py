@@ -131,7 +131,35 @@ def run_process(argv: list[str], timeout_s: float, on_timeout, on_start=None) ->
     return ExecResult(process.returncode, stdout, stderr, timed_out, time.perf_counter() - started)
 
 
-_CANCEL_LOCK = threading.Lock()
+class Execs:
+    """Runs a sandbox's execs so another thread can cancel them: `cancel()` kills the one in progress (its
+    process group) and refuses every later one."""
+
+    _LOCK = threading.Lock()
+
+    def __init__(self):
+        self.running, self.cancelled = None, False
+
+    def run(self, argv: list[str], timeout_s: float) -> ExecResult:
+        if self.cancelled:  # cancelled before it even started
+            return ExecResult(-signal.SIGKILL, "", "cancelled", False, 0.0)
+        return run_process(argv, timeout_s, kill_group, on_start=self._started)
+
+    def _started(self, process) -> None:
+        with self._LOCK:
+            self.running = process
+            cancelled = self.cancelled
+        if cancelled:  # a cancel() that came between the check above and the process's start
+            kill_group(process)
+
+    def cancel(self) -> None:
+        with self._LOCK:
+            self.cancelled = True
+            process = self.running
+        if process is not None:
+            kill_group(process)
+
+
 BASE_ENV = {"HOME": "/home", "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
 
 
@@ -149,6 +177,7 @@ class LocalSandbox(TrialDirs):
         self.readonly = readonly if readonly is not None else agent_program_paths()
         self.limits = f"ulimit -f {max_file_mb * 1024}; ulimit -n {max_open_files}; ulimit -c 0"
         self.proxy, self.bridge = proxy, None
+        self.execs = Execs()
 
     def start(self) -> None:
         super().start()
@@ -182,30 +211,13 @@ class LocalSandbox(TrialDirs):
             argv += ["--setenv", key, value]
         return argv + ["bash", "-c", f"{forward}{self.limits}; {command}"]
 
-    _running = None
-    _cancelled = False
-
     def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
-        if self._cancelled:  # cancelled before its agent even started
-            return ExecResult(-signal.SIGKILL, "", "cancelled", False, 0.0)
         # At the timeout, killing the jail's process group takes its PID namespace and every process inside.
-        return run_process(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s, kill_group,
-                           on_start=self._started)
-
-    def _started(self, process) -> None:
-        with _CANCEL_LOCK:
-            self._running = process
-            cancelled = self._cancelled
-        if cancelled:  # a cancel() that came between the check above and the jail's start
-            kill_group(process)
+        return self.execs.run(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s)
 
     def cancel(self) -> None:
         """Kill the exec in progress (its whole jail) and refuse later ones, from another thread."""
-        with _CANCEL_LOCK:
-            self._cancelled = True
-            process = self._running
-        if process is not None:
-            kill_group(process)
+        self.execs.cancel()
 
     def stop(self) -> None:  # nothing outlives an exec; the trial directory stays as the rollout's record
         if self.bridge is not None:

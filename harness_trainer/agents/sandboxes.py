@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -48,12 +50,12 @@ def prepare(requested: str, tasks: dict[str, ContainerSpec], log_dir: Path | Non
     return prepare_images(in_containers, log_dir) if in_containers else {}
 
 
-def proxy_address(base_url: str) -> tuple[str, int] | None:
-    """(host, port) of a proxy on this machine's loopback, the one a trial's forwarder may reach."""
-    parts = urlsplit(base_url)
-    if parts.hostname in ("127.0.0.1", "localhost") and parts.port:
-        return "127.0.0.1", parts.port
-    return None
+def proxy_address(proxy_url: str) -> tuple[str, int]:
+    """Where the host's half of a trial's forwarder connects: the capture proxy (on the loopback when it
+    listens on every interface)."""
+    parts = urlsplit(proxy_url)
+    host = parts.hostname or "127.0.0.1"
+    return ("127.0.0.1" if host in ("localhost", "0.0.0.0") else host), parts.port or 80
 
 
 def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerSpec | None = None,
@@ -63,7 +65,7 @@ def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerS
     check_kind(kind)
     spec = spec or ContainerSpec()
     kind = kind_for(kind, spec)
-    proxy = proxy_address(proxy_url) if proxy_url and not public_url else None
+    proxy = proxy_address(proxy_url) if proxy_url else None
     if kind == "local":
         if spec.needs_container:
             raise SandboxError(f"task {task} needs its own image and cannot run under --sandbox local")
@@ -75,11 +77,23 @@ def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerS
     return HarborSandbox(trial_dir, kind.partition(":")[2] or "docker", task_dir)
 
 
+DOWNLOADS = re.compile(r"\b(apt-get|apt|curl|wget|pip3? install|uvx?|npm (install|i)|npx)\b")
+
+
 def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> dict[str, str]:
     """A run's check before it starts anything (`cfg`: a RolloutConfig; `tasks`: rollouts' Task objects): the
-    sandbox exists and can be made (credentials, daemon, URL), no task is refused, every image is built."""
+    sandbox exists and can be made (credentials, daemon, URL), no task is refused, every image is built. A
+    bubblewrap task whose verifier seems to download its tools is warned about: a jail has no internet, and a
+    verifier that cannot install its tools may well write 0."""
     check_kind(cfg.sandbox)
     if cfg.sandbox == "e2b" or cfg.sandbox.startswith("harbor"):
         make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)  # raises with what is missing
         return {}
+    offline = [task.name for task in tasks if kind_for(cfg.sandbox, task.environment) == "local"
+               and DOWNLOADS.search((task.tests_dir / "test.sh").read_text(errors="replace"))]
+    if offline:
+        print(f"harness-train: warning: the verifier of {len(offline)} task(s) seems to download tools "
+              f"({', '.join(offline[:5])}{' ...' if len(offline) > 5 else ''}), but runs in bubblewrap, which has no "
+              "internet: give such tasks an environment/Dockerfile (or --sandbox docker), or their rewards may be "
+              "0s that say nothing", file=sys.stderr)
     return prepare(cfg.sandbox, {task.name: task.environment for task in tasks}, log_dir)

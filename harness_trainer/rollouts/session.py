@@ -33,7 +33,7 @@ from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
 from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError
-from harness_trainer.agents.sandboxes import make_sandbox
+from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
 from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
@@ -162,7 +162,7 @@ class LocalSession(CapturedSession):
             if f.upload_solution and self.task.solution:  # the oracle plays it from there, as Harbor's does
                 self.sandbox.upload(self.task.solution.parent, "/solution")
             command, env = f.harness.prepare(AgentRun(
-                instruction=self.task.instruction, base_url=f.agent_base_url(self.capture),
+                instruction=self.task.instruction, base_url=f.agent_base_url(self.capture, self.task),
                 api_key=self.capture["api_key"], model=self.capture["model"], step_limit=f.step_limit,
                 timeout_s=self.timeout_s, workdir=self.sandbox.workdir))
             env = {**self.task.environment.env, **env}
@@ -239,7 +239,11 @@ class LocalSessionFactory:
                             proxy_url=self.proxy.url, public_url=self.public_url, task_dir=task.path,
                             log_dir=self.output_dir / "builds")
 
-    def agent_base_url(self, capture: dict) -> str:
+    def agent_base_url(self, capture: dict, task: Task) -> str:
+        """A remote sandbox's agent reaches the proxy at --public-url; a jail's or a container's at the proxy's
+        own loopback address, which its forwarder serves inside the trial."""
+        if kind_for(self.sandbox_kind, task.environment) in ("local", "docker"):
+            return f"http://127.0.0.1:{proxy_address(self.proxy.url)[1]}/v1"
         if self.public_url:
             return self.public_url.rstrip("/") + "/v1"
         return capture["base_url"]

@@ -94,9 +94,10 @@ _TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _WARNED: set[str] = set()
 
 
-def warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
+def warn_once(message: str, key: str | None = None) -> None:
+    """Print a warning the first time its key (default: the message itself) is seen in this process."""
+    if (key or message) not in _WARNED:
+        _WARNED.add(key or message)
         print(f"harness-train: warning: {message}", file=sys.stderr)
 
 
@@ -213,10 +214,9 @@ def _warn_unknown(config: dict, toml_path: Path) -> None:
         for key in section:
             label = f"[{table}] {key}" if table else key
             if key not in keys:
-                warn_once(f"{toml_path.name}: unknown key {label} (in {toml_path.parent.name} and maybe others): "
-                          "ignored")
+                warn_once(f"task.toml: unknown key {label} ignored (first seen in {toml_path.parent.name})", label)
             elif (table, key) in IGNORED:
-                warn_once(f"{toml_path.name}: {label} is not applied: {IGNORED[(table, key)]}")
+                warn_once(f"task.toml: {label} is not applied: {IGNORED[(table, key)]}", label)
 
 
 def load_task(path: str | Path) -> Task:

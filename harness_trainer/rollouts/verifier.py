@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from harness_trainer.agents.sandbox import Sandbox
+from harness_trainer.agents.sandbox import Sandbox, SandboxError
 from harness_trainer.rollouts.tasks import Task
 
 TEST_STDOUT = "/logs/verifier/test-stdout.txt"
@@ -103,9 +103,12 @@ def read_reward(sandbox: Sandbox, reward_key: str = "reward") -> tuple[float | N
 
 
 def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> VerifierResult:
-    sandbox.clear("/logs/verifier")
-    sandbox.clear("/tests")
-    sandbox.upload(task.tests_dir, "/tests")
+    try:
+        sandbox.clear("/logs/verifier")
+        sandbox.clear("/tests")
+        sandbox.upload(task.tests_dir, "/tests")
+    except (SandboxError, OSError) as exc:  # e.g. a container killed for its memory under the agent
+        return VerifierResult(None, f"the verifier could not be set up: {exc}")
     env = {**task.environment.env, **task.verifier_env}
     result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1", task.verifier_timeout_s,
                           env=env)
