@@ -5,7 +5,10 @@ doubles: a model call's body (a whole conversation: 100k tokens are ~400 KB of J
 forwarder beside the same call made directly on the host, and the build context's digest (read per image
 lookup unless its files' sizes and times are unchanged) as the context doubles.
 
-    .venv/bin/python bench/sandboxes.py [--trials 10]
+Last, rollouts per minute of the tiny model (its own samples, not an oracle) through mini-swe-agent in each
+sandbox, the same toy tasks, batches of 4 at once, interleaved (`--rounds 0` skips it: it starts an engine).
+
+    .venv/bin/python bench/sandboxes.py [--trials 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def trial(make) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of rollouts per sandbox (0: none)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     task = load_task(build_task(root / "tasks"))
@@ -69,6 +73,8 @@ def main() -> None:
         print(f"{name:<12} {m['start']:>8.3f} {m['exec']:>8.3f} {m['stop']:>8.3f} {m['total']:>8.3f}")
     print(f"container / bubblewrap, total per trial: {medians['container']['total'] / medians['bubblewrap']['total']:.1f}x")
     data_path(root)
+    if args.rounds:
+        rollouts_per_minute(args.rounds, root)
 
 
 CALLS = """
@@ -137,6 +143,39 @@ def data_path(root: Path) -> None:
         started = time.perf_counter()
         _cached_digest(context)
         print(f"{total:>6} MB   {full:>9.3f} {time.perf_counter() - started:>9.5f}")
+
+
+def rollouts_per_minute(rounds: int, root: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.proxy.client import ProxyServer
+    from harness_trainer.rollouts.session import LocalSessionFactory, run_rollout
+    from harness_trainer.rollouts.tasks import load_dataset
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
+
+    tasks = load_dataset("builtin:toy-heldout")[:4]
+    seconds = {"bubblewrap": 0.0, "container": 0.0}
+    done = dict.fromkeys(seconds, 0)
+    with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), max_model_len=8192)) as engine, \
+            ProxyServer(engine.url, model="tiny") as proxy:
+        factories = {name: LocalSessionFactory({"max_tokens_cap": 32}, proxy=proxy.client, harness="mini-swe-agent",
+                                               agent_config="compact", sandbox=kind, step_limit=3,
+                                               output_dir=root / f"rollouts-{name}")
+                     for name, kind in (("bubblewrap", "local"), ("container", "docker"))}
+        for _ in range(rounds):
+            for name, factory in factories.items():
+                started = time.perf_counter()
+                with ThreadPoolExecutor(len(tasks)) as pool:
+                    records = list(pool.map(lambda t: run_rollout(factory, t), tasks))
+                seconds[name] += time.perf_counter() - started
+                done[name] += len(records)
+                assert all(r.status in ("ok", "timeout") for r in records), [(r.status, r.reason) for r in records]
+    rates = {name: done[name] / seconds[name] * 60 for name in seconds}
+    print(f"\nrollouts/min of the tiny model through mini-swe-agent (compact), {rounds} rounds of {len(tasks)} at once:")
+    for name, rate in rates.items():
+        print(f"{name:<12} {rate:6.1f}")
+    print(f"container / bubblewrap: {rates['container'] / rates['bubblewrap']:.2f}x")
 
 
 if __name__ == "__main__":
