@@ -247,12 +247,18 @@ def test_claude_code_and_codex_failures_end_unscorable_with_the_reason(proxy, tm
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     client = UpstreamClient(proxy.url, proxy.admin_key)
     client.upstream = f"http://127.0.0.1:{stub.server_port}"
-    faults = {"no server": dict(proxy=proxy.client, public_url=f"http://127.0.0.1:{closed_port}"),
-              "HTTP 500": dict(proxy=client)}
+    class NoServer(LocalSessionFactory):
+        """Fault injection: the agent is given a base URL where nothing listens (its trial forwards only the proxy's
+        port, so this one is closed inside the trial too)."""
+
+        def agent_base_url(self, capture, task):
+            return f"http://127.0.0.1:{closed_port}/v1"
+
+    faults = {"no server": (NoServer, dict(proxy=proxy.client)), "HTTP 500": (LocalSessionFactory, dict(proxy=client))}
     try:
-        for fault, wiring in faults.items():
-            factory = LocalSessionFactory({"max_tokens_cap": 16}, harness=harness, agent_config=mode,
-                                          output_dir=tmp_path / fault, agent_timeout_s=150, **wiring)
+        for fault, (kind, wiring) in faults.items():
+            factory = kind({"max_tokens_cap": 16}, harness=harness, agent_config=mode,
+                           output_dir=tmp_path / fault, agent_timeout_s=150, **wiring)
             started = time.perf_counter()
             record = run_rollout(factory, toy())
             assert record.status == "unscorable" and record.outcome.env_reward is None, (fault, record.reason)

@@ -74,6 +74,7 @@ class SocketBridge:
     A thread of the calling process; `close()` stops it and removes the folder."""
 
     def __init__(self, path: os.PathLike | None, host: str, port: int):
+        _sweep()
         self.folder = pathlib.Path(tempfile.mkdtemp(prefix="harness-trial-"))
         self.folder.chmod(0o755)
         self.path = os.fspath(path or self.folder / "proxy.sock")
@@ -91,6 +92,21 @@ class SocketBridge:
             pass
         self.listener.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _sweep() -> None:
+    """Remove the folders of bridges whose run died without closing them (SIGKILL): a socket nobody listens on."""
+    for folder in pathlib.Path(tempfile.gettempdir()).glob("harness-trial-*"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(str(folder / "proxy.sock"))
+        except ConnectionRefusedError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # no socket yet (a bridge being made), or busy: leave it
+            pass
+        finally:
+            probe.close()
 
 
 def _settle(sock: socket.socket) -> socket.socket:
