@@ -46,10 +46,11 @@ cpus = 1
 memory_mb = 512
 ''')
     _write(task / "environment" / "Dockerfile", '''FROM python:3.11-slim
-RUN mkdir -p /srv/app && echo "built" > /srv/app/marker.txt
+RUN useradd --create-home agent && mkdir -p /srv/app && echo "built" > /srv/app/marker.txt && chown -R agent /srv/app
 ENV GREETING=hello
 WORKDIR /srv/app
-COPY data.txt /srv/app/data.txt
+COPY --chown=agent data.txt /srv/app/data.txt
+USER agent
 ''')
     _write(task / "environment" / "data.txt", "42\n")
     _write(task / "solution" / "solve.sh", '''#!/bin/bash
@@ -70,7 +71,10 @@ import pathlib
 answer = pathlib.Path("/srv/app/answer.txt")
 built = pathlib.Path("/srv/app/marker.txt").read_text() == "built\\n"
 right = answer.is_file() and answer.read_text() == "# kept: a heredoc line that starts with #\\n\\nhello 42\\n"
-print("built:", built, "answer:", answer.read_text() if answer.is_file() else None)
+import pwd, os
+owner = pwd.getpwuid(answer.stat().st_uid).pw_name if answer.is_file() else None
+print("built:", built, "answer:", answer.read_text() if answer.is_file() else None, "written by:", owner,
+      "verified by:", pwd.getpwuid(os.getuid()).pw_name)
 pathlib.Path("/logs/verifier/reward.json").write_text(
     json.dumps({"reward": float(built and right), "efficiency": 0.5}))
 ''', 0o755)

@@ -132,8 +132,9 @@ def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, t
 
 @pytest.mark.parametrize("harness,config", [
     ("mini-swe-agent", "compact"),
-    pytest.param("opencode", "compact", marks=pytest.mark.slow), pytest.param("claude-code", "bare", marks=pytest.mark.slow)],
-    ids=["mini-swe-agent", "opencode", "claude-code"])
+    pytest.param("opencode", "compact", marks=pytest.mark.slow), pytest.param("claude-code", "bare", marks=pytest.mark.slow),
+    pytest.param("codex", None, marks=pytest.mark.slow)],
+    ids=["mini-swe-agent", "opencode", "claude-code", "codex"])
 def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine, docker, tmp_path):
     """Harbor's oracle (solution/ uploaded, solve.sh run unchanged through its shebang) through the real agent,
     each task in its built image (one without Python or Node among them: the agent's runtime is mounted); every
@@ -147,6 +148,7 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
     by_task = {r.task: r for r in records}
     assert summary.wins == summary.rollouts == 3, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
     assert by_task["build"].verifier_rewards == {"reward": 1.0, "efficiency": 0.5}
+    assert "written by: agent verified by: agent" in by_task["build"].verifier_output  # the image's USER, not root
     assert by_task["image"].verifier_rewards == {"correctness": 1.0}  # its only key is the training reward
     assert "interfaces: lo" in by_task["image"].verifier_output  # allow_internet = false: no network at all
     assert trial_containers() == []

@@ -4,17 +4,19 @@ ignores OPENAI_BASE_URL, so the config file is the only way in). The served mode
 adds catalogue-only tools (apply_patch as a grammar tool, tool_search) for its own model names. Its sandbox is
 bypassed because ours already holds it (a sandbox inside bubblewrap is a second bwrap), retries are bounded
 because with no server at all it never gives up, and stdin is closed because it reads it when not a TTY.
+Its native binary (static, musl) is run directly, not npm's Node launcher: a task image needs no Node for it.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 from harness_trainer.agents.base import AdapterError, AgentReport, AgentRun, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
-CODEX = REPO_ROOT / ".tools" / "codex" / "node_modules" / ".bin" / "codex"
+CODEX_PACKAGES = REPO_ROOT / ".tools" / "codex" / "node_modules" / "@openai"
 KEY_VARIABLE = "HARNESS_CAPTURE_KEY"
 NETWORK_WAIT, NETWORK_TRIES = "waiting for network", 3
 # its --json item types that are tool calls -> the tool the model called (None: the item names it)
@@ -38,24 +40,30 @@ def config_toml(run: AgentRun) -> str:
         "enabled = false", ""])
 
 
+def codex_binary() -> Path | None:
+    """The platform package's static binary, the one npm's `codex` launcher (a Node script) execs."""
+    found = sorted(CODEX_PACKAGES.glob("codex-linux-*/vendor/*/bin/codex"))
+    return found[0] if found else None
+
+
 class Codex:
     name = "codex"
 
     def check_installed(self) -> None:
-        if not CODEX.exists():
-            raise AdapterError(f"codex is not installed at {CODEX}: run `make setup` (needs npm)")
+        if codex_binary() is None:
+            raise AdapterError(f"codex is not installed under {CODEX_PACKAGES}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         # TMPDIR must not contain CODEX_HOME, or codex cannot make its helper links and every command fails.
         env = {"HOME": "/home", "CODEX_HOME": "/home/.codex", "TMPDIR": "/tmp", "PWD": run.workdir,
                "HARNESS_TASK": run.instruction, "HARNESS_CODEX_CONFIG": config_toml(run), KEY_VARIABLE: run.api_key,
-               "RUST_LOG": "error", "NO_COLOR": "1"}
+               "RUST_LOG": "error", "NO_COLOR": "1", "CODEX_MANAGED_BY_NPM": "1"}
         events = "/logs/agent/events.jsonl"
         # With no server codex reconnects forever (at 0, 6, 16, 37, 78 s ...): a watcher ends it after
         # NETWORK_TRIES such messages, which still rides out a proxy restart of a few seconds.
         command = ("mkdir -p /logs/agent /home/.codex && "
                    "printf '%s' \"$HARNESS_CODEX_CONFIG\" > /home/.codex/config.toml && "
-                   f"{{ {shlex.quote(str(CODEX))} exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox "
+                   f"{{ {shlex.quote(str(codex_binary()))} exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox "
                    f"--json \"$HARNESS_TASK\" </dev/null >{events} & agent=$!; "
                    f"( while sleep 1; do [ \"$(grep -c '{NETWORK_WAIT}' {events})\" -ge {NETWORK_TRIES} ] && "
                    "kill $agent && exit; done ) & watcher=$!; "

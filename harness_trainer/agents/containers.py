@@ -15,7 +15,8 @@ How the agent gets into an image that may hold neither Python nor Node: its runt
 the same paths as on the host (the Python install behind the project's environments, .venv-mini, .tools:
 opencode, claude-code and codex are single native binaries). The image needs a glibc-based userland with bash
 (Debian, Ubuntu, python:*-slim: the common case); in one without (Alpine, distroless) the agent does not
-start, and the rollout is unscorable with that reason.
+start, and the rollout is unscorable with that reason. Under an image's non-root USER the folders above those
+mounts (/root is 0700 in Debian's images) are given the search bit in the container, so the USER can reach them.
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ class DockerSandbox(TrialDirs):
         self.image, self.spec, self.proxy = image, spec or ContainerSpec(), proxy
         config = image_config(image)
         self.workdir = self.spec.workdir or ((config.get("WorkingDir") or "/") if self.spec.needs_container else "/app")
+        self.user = (config.get("User") or "root").split(":")[0]
         self.name = f"harness-trial-{os.getpid()}-{hashlib.sha1(str(self.trial).encode()).hexdigest()[:10]}"
         self.bridge = self.forwarder = None
         self.execs = Execs()
@@ -241,6 +243,8 @@ class DockerSandbox(TrialDirs):
         if result.returncode != 0:
             raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
         self._root(f"mkdir -p {self.workdir} /logs/agent /logs/verifier /tests && chmod 777 /logs/agent /logs/verifier")
+        if self.user not in ("root", "0"):
+            self._traversable(agent_program_paths())
         if self.proxy:
             self._forward()
         if spec.healthcheck:
@@ -248,6 +252,12 @@ class DockerSandbox(TrialDirs):
 
     def _root(self, command: str, timeout_s: float = 60) -> ExecResult:
         return run_process(["docker", "exec", "-u", "root", self.name, "sh", "-c", command], timeout_s, kill_group)
+
+    def _traversable(self, paths: list[Path]) -> None:
+        """An image's non-root USER must reach the mounted runtimes: their folders in the image (/root is 0700
+        in Debian's) get the search bit, nothing more: their listing and files stay as the image has them."""
+        folders = sorted({str(parent) for path in paths for parent in path.parents if parent != Path("/")})
+        self._root("for d in " + " ".join(map(shlex.quote, folders)) + '; do [ -d "$d" ] && chmod a+x "$d"; done; true')
 
     def _forward(self) -> None:
         """The proxy's port on the container's own loopback: a forwarder in its network namespace (entered from
