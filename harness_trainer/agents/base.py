@@ -16,10 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness_trainer.agents.sandbox import ExecResult, Sandbox
-
-
-class AdapterError(RuntimeError):
-    """An agent program is missing or misconfigured; the message says what to do."""
+from harness_trainer._exceptions import AdapterError
 
 
 @dataclass

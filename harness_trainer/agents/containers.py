@@ -35,6 +35,7 @@ from pathlib import Path
 
 from harness_trainer.agents.sandbox import (ExecResult, Execs, SandboxError, TrialDirs, agent_program_paths,
                                             kill_group, run_process)
+from harness_trainer._exceptions import BuildError
 
 DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
 LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
@@ -58,10 +59,6 @@ class ContainerSpec:
     @property
     def needs_container(self) -> bool:
         return self.context is not None or self.image is not None
-
-
-class BuildError(SandboxError):
-    """A task's image could not be built or found; the message names the task and its build log."""
 
 
 def docker_ready() -> None:

@@ -27,14 +27,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+from harness_trainer._exceptions import SandboxError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SANDBOX_DIRS = ("app", "logs", "tests", "home", "tmp", "solution")
 FORWARDER = Path(__file__).with_name("forwarder.py")
-
-
-class SandboxError(RuntimeError):
-    """A sandbox could not be created or used; the message names the missing binary, daemon or credential."""
 
 
 @dataclass

@@ -11,8 +11,10 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
+from harness_trainer._exceptions import HarnessTrainerError
 from harness_trainer.commands.flags import ArgumentParser, add_config_flags, build_config, config_values
 from harness_trainer.commands.models import add_model_parsers
 from harness_trainer.serving.process import interrupt_on_sigterm
@@ -301,21 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
 # The errors whose message is the whole answer (it names what was wrong and what to do): printed on one line, no
 # traceback. By module name, so a command imports only what it uses (`jobs status` does not import torch or
 # openenv): an error can only come from a module that was imported.
-USER_ERRORS = {
-    "harness_trainer.agents.harnesses": "AdapterError", "harness_trainer.agents.sandbox": "SandboxError",
-    "harness_trainer.rollouts.tasks": "TaskError", "harness_trainer.serving.engine": "EngineError",
-    "harness_trainer.rollouts.environments": "EnvironmentContractError", "harness_trainer.commands.jobs": "JobError",
-    "harness_trainer.proxy.client": "ProxyError", "harness_trainer.rollouts.rewards": "RewardError",
-    "harness_trainer.commands.sft": "SFTError", "harness_trainer.commands.flags": "ConfigError",
-    "harness_trainer.training.trainer": "TrainingStopped", "harness_trainer.commands.viewer.runs": "ViewerError",
-    "harness_trainer.models.hub": "ModelError",
-}
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    return tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS.items() if module in sys.modules)
-
-
 COMMANDS = ("train", "model", "serve", "eval", "sft", "view", "jobs", "proxy")
 # old spellings -> fields: they still work, with a deprecation line (commands/flags.py)
 EVAL_DEPRECATED = {"-n": "num_generations", "--concurrency": "max_concurrent_rollouts",
@@ -346,13 +333,33 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupt_on_sigterm()  # SIGTERM stops us as Ctrl-C does: servers stopped, finished work kept
     try:
-        return args.func(args)
+        return _end(args.func(args))
     except KeyboardInterrupt:
         print(f"harness-train {args.command}: interrupted; everything it started is stopped", file=sys.stderr)
-        return 130
-    except (FileExistsError, FileNotFoundError, *_user_errors()) as exc:
+        return _end(130)
+    except (FileExistsError, FileNotFoundError, HarnessTrainerError) as exc:
         print(f"harness-train: {exc}", file=sys.stderr)
-        return 1
+        return _end(1)
+    except Exception:
+        if not _ranked():
+            raise
+        traceback.print_exc()  # a rank's unexpected error: its traceback, then the same clean end
+        return _end(1)
+
+
+def _ranked() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never imported by the commands that do not train
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _end(code: int) -> int:
+    """A rank of a multi-process run ends here, skipping the interpreter's finalization (why:
+    training/distributed.py, end_process); any other run returns its code."""
+    if _ranked():
+        from harness_trainer.training.distributed import end_process
+
+        end_process(code)
+    return code
 
 
 if __name__ == "__main__":

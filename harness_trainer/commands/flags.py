@@ -19,10 +19,7 @@ import sys
 from pathlib import Path
 
 import yaml
-
-
-class ConfigError(ValueError):
-    """A config file or flag value is wrong; the message names it and says what to do."""
+from harness_trainer._exceptions import ConfigError
 
 
 def parse_bool(text) -> bool:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_trainer.models.hub import is_hub_id
+from harness_trainer._exceptions import JobError
 
 # Python 3.11 (scripts/setup.sh's interpreter) on Debian; the CUDA libraries come with the torch and vllm wheels
 # and the driver with the host, so no CUDA image is needed.
@@ -53,10 +54,6 @@ FLAVORS = ("cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", 
            "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large",
            "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8", "rtx-pro-6000", "rtx-pro-6000x2",
            "rtx-pro-6000x4", "rtx-pro-6000x8")
-
-
-class JobError(ValueError):
-    """The job cannot be built or submitted; the message says what to change. Nothing was sent."""
 
 
 @dataclass

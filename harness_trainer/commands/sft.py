@@ -18,10 +18,7 @@ from pathlib import Path
 
 from harness_trainer.rollouts.config import option
 from harness_trainer.training.config import same_as
-
-
-class SFTError(ValueError):
-    """The traces cannot be trained on (none found, none with a trained token); the message says what to do."""
+from harness_trainer._exceptions import SFTError
 
 
 @dataclass

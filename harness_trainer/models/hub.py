@@ -14,14 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from harness_trainer._exceptions import ModelError
 
 # A model repo often also holds GGUF, ONNX, original/ PyTorch checkpoints and so on; these are what vLLM,
 # transformers and the tokenizer read.
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
-
-
-class ModelError(ValueError):
-    """The model named cannot be used; the message says what was wrong and what to do."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from harness_trainer._exceptions import PolicyRefusal
 
 INJECTED = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
 # Sampling knobs forced neutral under a training policy: processed logprobs are then the behaviour policy's.
@@ -23,10 +24,6 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "
                  "repetition_penalty", "max_tokens", "max_completion_tokens", "seed", "stop", "n")
 CONSTRAINED = ("logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "structured_outputs", "allowed_token_ids", "bad_words")
-
-
-class PolicyRefusal(ValueError):
-    """The request asks for something a training policy cannot allow; answered as HTTP 400."""
 
 
 @dataclass

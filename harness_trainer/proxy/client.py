@@ -17,16 +17,9 @@ from pathlib import Path
 import httpx
 
 from harness_trainer.serving.process import ManagedProcess, ProcessError, free_port
+from harness_trainer._exceptions import CaptureNotTrainable, ProxyError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class ProxyError(RuntimeError):
-    """The proxy refused or failed a control call; the message carries its answer."""
-
-
-class CaptureNotTrainable(ProxyError):
-    """The session's capture cannot become a TrainingTrace (409 from /sessions/{id}/trace)."""
 
 
 def proxy_python() -> str:

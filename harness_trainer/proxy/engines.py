@@ -20,13 +20,10 @@ import asyncio
 from dataclasses import asdict, dataclass
 
 import httpx
+from harness_trainer._exceptions import NoEngine
 
 HEALTH_EVERY_S = 2.0  # with several engines: how often each is asked /health
 ENGINE_LOST = "engine lost"  # the prefix of a session stop that makes its rollout unscorable (rollouts/session.py)
-
-
-class NoEngine(RuntimeError):
-    """No engine can take a new session; the message says which are lost or behind."""
 
 
 @dataclass

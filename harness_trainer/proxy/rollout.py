@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
 from harness_trainer.proxy.capture import SamplingPolicy
+from harness_trainer._exceptions import NotTrainable
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -130,10 +131,6 @@ def rollout_document(session: Session, ids: bool = True) -> dict:
 
 
 GRAPH_LEAVES_OUT = ("prompt_token_ids", "completion_token_ids", "per_token_logps", "request", "message")
-
-
-class NotTrainable(Exception):
-    """The session's capture cannot be exported as a TrainingTrace; the message says why."""
 
 
 def training_trace(session: Session) -> dict:

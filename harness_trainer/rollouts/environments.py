@@ -46,12 +46,9 @@ from openenv.core.harness.rollout import VerifyResult
 from harness_trainer.agents.base import AgentReport
 from harness_trainer.rollouts.session import CapturedSession
 from harness_trainer.proxy.client import ProxyClient
+from harness_trainer._exceptions import EnvironmentContractError, ModelCallError
 
 SCORED_WITH_GROUP = "scored by the reward functions with its group"
-
-
-class EnvironmentContractError(ValueError):
-    """An environment class, its tools or a dataset row break the contract; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -182,10 +179,6 @@ def call_tool(tools: dict[str, Callable], call: dict) -> tuple[str, bool, bool]:
         return str(tools[name](**arguments)), False, False
     except Exception as exc:  # what the tool raised is what the model is told
         return str({"error": str(exc)}), True, False
-
-
-class ModelCallError(RuntimeError):
-    """The capture proxy refused or failed a model call: the rollout cannot be scored."""
 
 
 class EnvironmentSession(CapturedSession):

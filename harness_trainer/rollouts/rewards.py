@@ -24,6 +24,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from harness_trainer.rollouts.session import HarnessRolloutOutcome
+from harness_trainer._exceptions import RewardError
 
 log = logging.getLogger("harness_trainer")
 
@@ -45,10 +46,6 @@ def verifier_with_tool_bonus(outcome: HarnessRolloutOutcome, max_calls: int = 15
 
 
 BUILTIN = {"verifier": verifier_reward, "verifier+tools": verifier_with_tool_bonus}
-
-
-class RewardError(ValueError):
-    """A reward function could not be found or returned something that is not a reward."""
 
 
 def resolve_reward_fn(spec: str | RewardFn | None) -> RewardFn:

@@ -38,10 +38,7 @@ from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
 from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
 from harness_trainer.proxy.engines import ENGINE_LOST
-
-
-class CaptureContractError(RuntimeError):
-    """A captured rollout breaks the TrainingTrace contract. Fatal: training stops on it."""
+from harness_trainer._exceptions import CaptureContractError
 
 
 @dataclass

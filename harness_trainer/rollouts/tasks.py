@@ -28,10 +28,7 @@ from pathlib import Path
 
 from harness_trainer.agents.containers import ContainerSpec
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
-
-
-class TaskError(ValueError):
-    """A task or dataset could not be read; the message names the file and field and what to do."""
+from harness_trainer._exceptions import TaskError
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,9 @@ from harness_trainer.models.formats import ModelFormats, detect_formats, ties_em
 from harness_trainer.models.hub import check_model_dir, served_name
 from harness_trainer.models.untie import untied_copy
 from harness_trainer.serving.process import ManagedProcess, free_port
+from harness_trainer._exceptions import EngineError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class EngineError(RuntimeError):
-    """The engine could not be started, reached or driven; the message says what to do."""
 
 
 def gpu_available() -> bool:

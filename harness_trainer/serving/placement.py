@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-
-class PlacementError(ValueError):
-    """A GPU layout that cannot work; the message says which flag to change."""
+from harness_trainer._exceptions import PlacementError
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+from harness_trainer._exceptions import ProcessError
 
 
 TETHER = Path(__file__).with_name("tether.py")
-
-
-class ProcessError(RuntimeError):
-    """A supervised server failed to start or stop; the message says what to do."""
 
 
 def _interrupt(signum, frame):

@@ -19,12 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from harness_trainer.serving.process import ManagedProcess
+from harness_trainer._exceptions import ServiceDown
 
 log = logging.getLogger("harness_trainer")
-
-
-class ServiceDown(RuntimeError):
-    """A service did not answer within the recovery bound; the message says which, since when and what to do."""
 
 
 def wait_for(name: str, probe, timeout_s: float, poll_s: float = 1.0) -> float:

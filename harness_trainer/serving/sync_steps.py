@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 import httpx
-
-
-class WeightSyncError(RuntimeError):
-    """A weight-sync step failed or timed out; the message names the step and the server's answer."""
+from harness_trainer._exceptions import WeightSyncError
 
 
 def engine_answers(url: str) -> bool:

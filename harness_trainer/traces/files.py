@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+from harness_trainer._exceptions import TraceFileError
 
 if TYPE_CHECKING:
     from openenv.core.harness.training import TrainingTrace, TrainingTurn
@@ -44,10 +45,6 @@ def turn_counts(turns: list[dict]) -> dict:
             "trained_tokens": sum(sum(t["loss_mask"]) for t in turns),
             "context_tokens": max((len(t["prompt_token_ids"]) + len(t["completion_token_ids"]) for t in turns),
                                   default=0)}
-
-
-class TraceFileError(ValueError):
-    """A trace file line is not a valid TrainingTrace; names the file and line."""
 
 
 def iter_traces(path: str | Path) -> Iterator[TrainingTrace]:

@@ -7,7 +7,9 @@ of trained tokens, so the summed gradient equals the single-process one and ever
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -47,6 +49,22 @@ def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
         # minutes): the default collective timeout (10 min with NCCL) would kill a healthy run.
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
+
+
+def end_process(code: int):
+    """The last call of every rank of a multi-process run: the process group is destroyed and the process ends
+    without the interpreter's finalization. Why: gloo's worker threads release a finished collective's tensors
+    after its caller has the result, and those tensors hold Python objects; a worker that gets there once
+    finalization has begun cannot take the GIL, its thread is unwound inside a noexcept destructor and the rank
+    aborts ("terminate called without an active exception", SIGABRT: pytorch#179291). destroy_process_group
+    alone does not wait for those threads. A 2-rank FSDP script ending on a broadcast aborted in 9 of 40 runs
+    (on a busy 2-core machine), and in none of 40 ending here. Output streams and log handlers are flushed first."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def broadcast(obj):

@@ -29,14 +29,11 @@ from harness_trainer.serving.supervise import ServiceDown, wait_for
 from harness_trainer.serving.sync_steps import engine_answers
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.sharding import gathered, is_sharded
+from harness_trainer._exceptions import TrainingStopped
 
 log = logging.getLogger("harness_trainer")
 PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights
 PROBE_IDS = [1, 10, 20, 30, 40, 50, 60, 70, 2]  # a fixed sequence both sides score after each sync
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (a failed weight sync, a probe mismatch, a service gone); the message says why."""
 
 
 def check_backend(backend: str, args) -> None:

@@ -22,14 +22,11 @@ from pathlib import Path
 from harness_trainer.models.hub import cached_file
 from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
 from harness_trainer.traces.files import turn_counts
+from harness_trainer._exceptions import ViewerError
 
 RUN_FILES = ("rollouts.jsonl", "traces.jsonl", "metrics.jsonl")
 CHUNK = 2048  # tokens per piece of a turn the page loads
 _EPISODE = re.compile(rb'"episode_id": ?"([^"\\]*)"')
-
-
-class ViewerError(Exception):
-    """The folder cannot be shown; the message says why and what to give instead."""
 
 
 def is_run(folder: Path) -> bool:
