@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -163,6 +164,38 @@ def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+# the settings' own checks (training/config.py, rollouts/config.py): field -> (bad value, what the CLI says)
+CONFIG_REFUSALS = {"num_generations": (0, "--num-generations must be a positive integer"),
+                   "groups_per_step": (0, "--groups-per-step must be a positive integer"),
+                   "lr_scheduler_type": ("wavy", "--lr-scheduler-type wavy: choose one of linear, cosine"),
+                   "warmup_ratio": (0.1, "--warmup-ratio needs a schedule with a warm-up"),
+                   "dtype": ("float64", "--dtype float64: choose auto, float32, bfloat16 or float16"),
+                   "max_tokens_per_microbatch": (0, "--max-tokens-per-microbatch must be a positive integer or none"),
+                   "step_clip_mode": ("wavy", "unknown step_clip_mode 'wavy'"),
+                   "distributed": ("mesh", "--distributed mesh: choose ddp or fsdp")}
+
+
+@pytest.mark.parametrize("field", sorted(CONFIG_REFUSALS))
+def test_the_python_api_refuses_what_the_cli_refuses_in_the_same_words(field, tmp_path, capsys):
+    """The CLI flag, the config made in Python, and a config changed after it was made and handed to the trainer:
+    one ConfigError, one message, before anything is loaded or started."""
+    from harness_trainer import ConfigError as PublicConfigError
+    from harness_trainer import HarnessAsyncGRPOTrainer
+    from harness_trainer.training.config import AsyncGRPOConfig
+
+    value, says = CONFIG_REFUSALS[field]
+    assert main(["--" + field.replace("_", "-"), str(value), "--report-to", "none",
+                 "--output-dir", str(tmp_path / "cli")]) == 1
+    assert says in capsys.readouterr().err
+    with pytest.raises(PublicConfigError, match=re.escape(says)):
+        AsyncGRPOConfig(**{field: value})
+    changed = AsyncGRPOConfig(output_dir=str(tmp_path / "api"))
+    setattr(changed, field, value)
+    with pytest.raises(PublicConfigError, match=re.escape(says)):
+        HarnessAsyncGRPOTrainer("/nonexistent/model", lambda sampling: None, changed, [object()])
+    assert not (tmp_path / "api").exists() and not (tmp_path / "cli").exists()
+
+
 def test_live_display_shows_stability_and_warnings():
     from rich.console import Console
 
@@ -281,6 +314,6 @@ def test_the_schedules_train_accepts_are_transformers_own():
     torch import in `jobs launch`); the list must be the enum's values."""
     from transformers import SchedulerType
 
-    from harness_trainer.commands.train import LR_SCHEDULES
+    from harness_trainer.training.config import LR_SCHEDULES
 
     assert LR_SCHEDULES == tuple(t.value for t in SchedulerType)

@@ -37,6 +37,14 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
                                       "verifier+tools, module:function or an entry-point name")
     report_to: str = option("trackio", "trackio (local), wandb or none")
 
+    def __post_init__(self):
+        super().__post_init__()  # the trainer's and the rollouts' checks
+        if self.report_to not in ("trackio", "wandb", "none"):
+            raise ConfigError(f"--report-to {self.report_to}: choose trackio, wandb or none")
+        if self.environment and not (self.reward_funcs or self.reward):
+            raise ConfigError("--environment needs --reward-funcs module:f[,module:g]: functions f(environments, "
+                              "**kwargs) returning one reward (or None) per environment")
+
 
 FIELDS = fields_of(TrainRunConfig, skip=("vllm_server_base_url",))  # the engine's URL is --vllm-url
 # old spellings -> fields (they still work, with a deprecation line)
@@ -59,40 +67,10 @@ def parse_train_args(argv: list[str]) -> TrainRunConfig:
     return train_config(parser.parse_args(argv))
 
 
-# transformers.SchedulerType's values, written out: importing it imports torch and peft (5-10 s), and a job
-# launcher checks a run's flags before it submits (tests/test_train_cli.py keeps the two lists equal)
-LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-                "warmup_stable_decay", "greedy")
-
-
 def resolve_config(values: dict) -> TrainRunConfig:
-    """The run's config from flag and file values (commands/flags.py: config_values), checked."""
-    cfg = build_config(TrainRunConfig, values)
-    if cfg.report_to not in ("trackio", "wandb", "none"):
-        raise ConfigError(f"--report-to {cfg.report_to}: choose trackio, wandb or none")
-    if not 0 <= cfg.warmup_ratio < 1:
-        raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio!r}")
-    if cfg.lr_scheduler_type not in LR_SCHEDULES:
-        raise ConfigError(f"--lr-scheduler-type {cfg.lr_scheduler_type}: choose one of {', '.join(LR_SCHEDULES)}")
-    if cfg.lr_scheduler_type == "constant" and cfg.warmup_ratio:
-        raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
-                          "constant_with_warmup (or linear, cosine)")
-    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"--dtype {cfg.dtype}: choose auto, float32, bfloat16 or float16")
-    if cfg.max_tokens_per_microbatch is not None and cfg.max_tokens_per_microbatch < 1:
-        raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
-                          f"got {cfg.max_tokens_per_microbatch!r}")
-    if cfg.use_peft and not 0 <= cfg.lora_dropout < 1:
-        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout!r}")
-    if cfg.environment and not (cfg.reward_funcs or cfg.reward):
-        raise ConfigError("--environment needs --reward-funcs module:f[,module:g]: functions f(environments, "
-                          "**kwargs) returning one reward (or None) per environment")
-    for name in ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
-                 "groups_per_step", "lora_rank", "max_completion_length"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
-    return cfg
+    """The run's config from flag and file values (commands/flags.py: config_values), checked by the config
+    itself: the Python API refuses the same values with the same words."""
+    return build_config(TrainRunConfig, values)
 
 
 def check_port_free(port: int, flag: str) -> None:

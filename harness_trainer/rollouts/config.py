@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness_trainer._exceptions import ConfigError
+
 
 def option(default, help_text: str, **metadata):
     """A config field whose help text is its flag's help (and its line in docs/cli.md)."""
@@ -63,7 +65,7 @@ class RolloutConfig:
         if isinstance(self.vllm_url, str):  # one URL (the Python API, a YAML value), or "URL,URL"
             self.vllm_url = [u.strip() for u in self.vllm_url.split(",") if u.strip()]
         if self.engines < 1:
-            raise ValueError(f"--engines {self.engines}: give 1 or more")
+            raise ConfigError(f"--engines {self.engines}: give 1 or more")
         if self.engines > 1 and self.vllm_url:
-            raise ValueError("--engines launches engines and --vllm-url attaches to running ones: give one of them "
-                             "(repeat --vllm-url for several running engines)")
+            raise ConfigError("--engines launches engines and --vllm-url attaches to running ones: give one of them "
+                              "(repeat --vllm-url for several running engines)")

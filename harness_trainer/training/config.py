@@ -10,7 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from harness_trainer._exceptions import ConfigError
 from harness_trainer.rollouts.config import option
+
+# transformers.SchedulerType's values, written out: importing it imports torch and peft (5-10 s), and a job
+# launcher checks a run's flags before it submits (tests/test_train_cli.py keeps the two lists equal)
+LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                "warmup_stable_decay", "greedy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POSITIVE = ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
+            "groups_per_step", "lora_rank", "max_completion_length")
 
 
 @dataclass
@@ -103,10 +113,32 @@ class AsyncGRPOConfig:
             super().__post_init__()
         if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+        self.check()
+
+    def check(self) -> None:
+        """Every check of these settings, here, so the Python API and the CLI refuse the same values with the
+        same words (a ConfigError naming the flag, whose field is its name in snake case)."""
+        for name in POSITIVE:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if self.distributed not in ("ddp", "fsdp"):
-            raise ValueError(f"--distributed {self.distributed}: choose ddp or fsdp")
+            raise ConfigError(f"--distributed {self.distributed}: choose ddp or fsdp")
         if self.step_clip_mode not in ("probability", "ratio"):
-            raise ValueError(f"unknown step_clip_mode '{self.step_clip_mode}': choose probability or ratio")
+            raise ConfigError(f"unknown step_clip_mode '{self.step_clip_mode}': choose probability or ratio")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio!r}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-scheduler-type {self.lr_scheduler_type}: choose one of {', '.join(LR_SCHEDULES)}")
+        if self.lr_scheduler_type == "constant" and self.warmup_ratio:
+            raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
+                              "constant_with_warmup (or linear, cosine)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
+                              f"got {self.max_tokens_per_microbatch!r}")
+        if self.use_peft and not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
 
 
 def same_as(name: str, default=dataclasses.MISSING):

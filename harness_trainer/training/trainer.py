@@ -83,6 +83,7 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         from transformers import AutoModelForCausalLM
 
         args = args or AsyncGRPOConfig()
+        args.check()  # a config changed after it was made is checked again (training/config.py)
         self.args = args
         # One device per rank: the rank's GPU of the placement (serving/placement.py), else the CPU.
         placement = trainer_placement(args)
@@ -371,14 +372,8 @@ def _schedule(optimizer, args: AsyncGRPOConfig):
     from transformers import get_scheduler
 
     warmup = math.ceil(args.warmup_ratio * args.max_steps)
-    try:
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                  num_training_steps=args.max_steps)
-    except ValueError as exc:
-        raise ValueError(f"lr_scheduler_type '{args.lr_scheduler_type}': {exc}") from None
-    if args.lr_scheduler_type == "constant" and warmup:
-        raise ValueError("warmup_ratio needs a schedule with a warm-up: use lr_scheduler_type "
-                         "'constant_with_warmup' (or linear, cosine, ...) instead of 'constant'")
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=args.max_steps)  # a known name (config.py checks it)
     factor = scheduler.lr_lambdas[0]
     return lambda step: args.learning_rate * factor(step)
 
@@ -387,12 +382,8 @@ def _dtype(name: str, device: torch.device, sharded: bool) -> torch.dtype:
     """The weights' dtype as loaded. auto: float32 (with FSDP on GPU the forward then computes in bfloat16 over
     those float32 masters: sharding.py); not pure bfloat16 weights, where AdamW's updates below bf16's resolution
     (a relative 4e-3: lr 1e-6 steps) would be rounded away."""
-    if name == "auto":
-        return torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype '{name}': choose auto or one of {', '.join(dtypes)}")
-    return dtypes[name]
+    return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]  # a known name (config.py checks it)
 
 
 __all__ = ["AsyncGRPOConfig", "HarnessAsyncGRPOTrainer", "TrainingStopped"]
