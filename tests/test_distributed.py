@@ -18,6 +18,7 @@ STEP = textwrap.dedent("""
     import sys, torch
     from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
     from harness_trainer.rollouts.tasks import Task
+    from harness_trainer.training.distributed import end_process
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     model, out = sys.argv[1:3]
@@ -40,6 +41,7 @@ STEP = textwrap.dedent("""
     if trainer.rank == 0:
         grads = {name: p.grad for name, p in trainer.model.named_parameters()}
         torch.save({"grads": grads, "metrics": metrics}, out + "/result.pt")
+    end_process(0)  # every rank ends here, not in the interpreter's finalization (training/distributed.py)
 """)
 
 
@@ -82,6 +84,7 @@ RUN = textwrap.dedent("""
     from harness_trainer.rollouts.session import LocalSessionFactory
     from harness_trainer.rollouts.tasks import load_task
     from harness_trainer.proxy.client import ProxyClient
+    from harness_trainer.training.distributed import end_process
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
     engine, proxy, key, model, task, out, script = sys.argv[1:8]
     factory = partial(LocalSessionFactory, proxy=ProxyClient(proxy, key),
@@ -89,6 +92,7 @@ RUN = textwrap.dedent("""
     HarnessAsyncGRPOTrainer(model, factory, AsyncGRPOConfig(
         output_dir=out + "/run", vllm_server_base_url=engine, num_generations=4, max_concurrent_rollouts=4,
         max_steps=2, save_steps=1, learning_rate=1e-3, max_completion_tokens=4), [load_task(task)]).train()
+    end_process(0)  # every rank ends here, not in the interpreter's finalization (training/distributed.py)
 """)
 
 

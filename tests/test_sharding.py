@@ -15,7 +15,7 @@ RUN = textwrap.dedent("""
     import sys, torch
     from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
     from harness_trainer.rollouts.tasks import Task
-    from harness_trainer.training.distributed import broadcast
+    from harness_trainer.training.distributed import broadcast, end_process
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     model, out, distributed, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] != "-"
@@ -54,6 +54,7 @@ RUN = textwrap.dedent("""
         if trainer.world_size > 1:
             broadcast(None)
     trainer.save_model(out + "/final")  # every rank: with FSDP the gather needs them all
+    end_process(0)  # every rank ends here, not in the interpreter's finalization (training/distributed.py)
 """)
 
 
@@ -96,6 +97,7 @@ FAILS = textwrap.dedent("""
     import json, sys
     from types import SimpleNamespace
     from harness_trainer.rollouts.session import CaptureContractError
+    from harness_trainer.training.distributed import end_process
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     class Broken:  # fault injection: every rollout breaks the capture contract, which stops a run
@@ -114,6 +116,7 @@ FAILS = textwrap.dedent("""
         trainer.save_model(out + "/final")
     with open(f"{out}/rank{trainer.rank}.json", "w") as f:
         json.dump({"raised": raised, "lead_failed": trainer.lead_failed}, f)
+    end_process(0)  # every rank ends here, not in the interpreter's finalization (training/distributed.py)
 """)
 
 
