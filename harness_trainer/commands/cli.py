@@ -17,7 +17,7 @@ from pathlib import Path
 from harness_trainer._exceptions import HarnessTrainerError
 from harness_trainer.commands.flags import ArgumentParser, add_config_flags, build_config, config_values
 from harness_trainer.commands.models import add_model_parsers
-from harness_trainer.serving.process import interrupt_on_sigterm
+from harness_trainer.serving.process import ignore_stop_signals, interrupt_on_sigterm
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _end(args.func(args))
     except KeyboardInterrupt:
+        ignore_stop_signals()  # stopped and cleaned up: a second signal must not turn 130 into -2
         print(f"harness-train {args.command}: interrupted; everything it started is stopped", file=sys.stderr)
         return _end(130)
     except (FileExistsError, FileNotFoundError, HarnessTrainerError) as exc:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from harness_trainer.commands.evaluate import EvalConfig, EvalSummary, evaluate
 from harness_trainer.commands.flags import ArgumentParser, Deprecated
-from harness_trainer.serving.process import interrupt_on_sigterm
+from harness_trainer.serving.process import ignore_stop_signals, interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import reload_weights
 
 TEMPERATURE = 0.7  # sharper copying than at 1.0, so GRPO's few groups are spent on the slip, not on noise
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
+        ignore_stop_signals()  # stopped and cleaned up: a second signal must not turn 130 into -2
         print("proof: interrupted; its engine and proxy are stopped, finished stages are in the output folder",
               file=sys.stderr)
         return 130
