@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from harness_trainer.serving.engine import EngineConfig, VLLMServer, gpu_available
 from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.serving.engine import EngineConfig, VLLMServer, gpu_available
 from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights
 
 

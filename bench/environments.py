@@ -28,11 +28,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness_trainer.rollouts.session import run_rollout  # noqa: E402
-from harness_trainer.rollouts.environments import EnvironmentSession, EnvironmentSessionFactory, load_rows  # noqa: E402
-from harness_trainer.serving.process import ManagedProcess, free_port  # noqa: E402
 from harness_trainer.proxy.client import ProxyServer  # noqa: E402
+from harness_trainer.rollouts.environments import EnvironmentSession, EnvironmentSessionFactory, load_rows  # noqa: E402
 from harness_trainer.rollouts.rewards import score_group  # noqa: E402
+from harness_trainer.rollouts.session import run_rollout  # noqa: E402
+from harness_trainer.serving.process import ManagedProcess, free_port  # noqa: E402
 
 TOOL_OUTPUT = "x" * 1600  # ~400 tokens
 

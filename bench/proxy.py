@@ -26,10 +26,10 @@ from pathlib import Path
 
 import httpx
 
+from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
 from harness_trainer.serving.process import ManagedProcess, free_port
-from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.models.tiny import ensure_tiny_model
 
 MESSAGES = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the bug."}]
 

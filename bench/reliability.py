@@ -29,9 +29,9 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "reliability")]
 
 from proxy import OpenEnvProxy, start_stub  # noqa: E402  (bench/proxy.py)
 
-from harness_trainer.serving.engine import EngineConfig, VLLMServer  # noqa: E402
-from harness_trainer.proxy.client import ProxyServer  # noqa: E402
 from harness_trainer.models.tiny import ensure_tiny_model  # noqa: E402
+from harness_trainer.proxy.client import ProxyServer  # noqa: E402
+from harness_trainer.serving.engine import EngineConfig, VLLMServer  # noqa: E402
 
 TURNS_PER_SESSION = 10
 

@@ -16,13 +16,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness_trainer.rollouts.oracle import OracleUpstream
 from harness_trainer.agents.sandbox import LocalSandbox
+from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.rollouts.oracle import OracleUpstream
 from harness_trainer.rollouts.session import LocalSessionFactory, run_rollout
 from harness_trainer.rollouts.tasks import load_dataset
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
-from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.models.tiny import ensure_tiny_model
 
 HARNESSES = ("mini-swe-agent", "opencode", "claude-code:bare", "claude-code:full", "codex")
 CONCURRENCY = (1, 4)

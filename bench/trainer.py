@@ -18,10 +18,10 @@ import time
 
 import torch
 
+from harness_trainer.traces.files import read_traces
 from harness_trainer.training.grpo import LossConfig, policy_loss
 from harness_trainer.training.packing import chains_from_trace, pack
 from harness_trainer.training.tree_forward import tree_logprobs
-from harness_trainer.traces.files import read_traces
 
 
 def collect(args) -> str:
@@ -44,10 +44,10 @@ def async_vs_sync(engine_url: str, steps: int = 8) -> None:
     from test_trainer import SAY, say_task  # the few-line agent program and its task
 
     from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.proxy.client import ProxyServer
     from harness_trainer.rollouts.session import LocalSessionFactory
     from harness_trainer.rollouts.tasks import load_task
-    from harness_trainer.proxy.client import ProxyServer
-    from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     root = Path(tempfile.mkdtemp(prefix="bench-async-"))

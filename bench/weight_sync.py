@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from harness_trainer.serving.engine import EngineConfig, VLLMServer
-from harness_trainer.training.lora import LoraSettings, add_lora
-from harness_trainer.serving.weight_sync import LoraSync
 from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
-from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights
+from harness_trainer.serving.engine import EngineConfig, VLLMServer
+from harness_trainer.serving.weight_sync import LoraSync, ram_dir, reload_weights, save_weights
+from harness_trainer.training.lora import LoraSettings, add_lora
 
 LARGE = TinyModelSpec(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, max_positions=4096)
 RANK = 16

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from harness_trainer.serving.engine import EngineConfig, VLLMServer
 from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.serving.engine import EngineConfig, VLLMServer
 
 
 @pytest.fixture(scope="session")

@@ -11,17 +11,21 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from stubs import StubHandler
 
-from harness_trainer.agents.harnesses import AdapterError, CommandHarness, make_harness
 from harness_trainer.agents.containers import ContainerSpec
+from harness_trainer.agents.harnesses import AdapterError, CommandHarness, make_harness
 from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox, SandboxError
-from harness_trainer.rollouts.session import (CaptureContractError, HarnessRolloutOutcome, LocalSessionFactory,
-                                              run_rollout)
-from harness_trainer.rollouts.tasks import TaskError, load_dataset, load_task
-from harness_trainer.rollouts.verifier import verify
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.rollouts.rewards import RewardError, resolve_reward_fn, score
-from stubs import StubHandler
+from harness_trainer.rollouts.session import (
+    CaptureContractError,
+    HarnessRolloutOutcome,
+    LocalSessionFactory,
+    run_rollout,
+)
+from harness_trainer.rollouts.tasks import TaskError, load_dataset, load_task
+from harness_trainer.rollouts.verifier import verify
 
 # ---- tasks -------------------------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ import os
 import subprocess
 
 import pytest
-
 from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task
+
 from harness_trainer.agents.containers import LABEL, BuildError, DockerSandbox, docker_ready, image_for
 from harness_trainer.agents.sandbox import LocalSandbox, SandboxError
 from harness_trainer.agents.sandboxes import prepare

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_trainer import SAY, say_task  # the few-line agent program and its task
 
 STEP = textwrap.dedent("""

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from harness_trainer.rollouts.oracle import OracleUpstream
-from harness_trainer.rollouts.session import run_rollout
-from harness_trainer.rollouts.environments import (EnvironmentContractError, EnvironmentSessionFactory, check_environment,
-                                          load_rows)
 from harness_trainer.examples import echo, multi_env, wordle
 from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.rollouts.environments import (
+    EnvironmentContractError,
+    EnvironmentSessionFactory,
+    check_environment,
+    load_rows,
+)
+from harness_trainer.rollouts.oracle import OracleUpstream
 from harness_trainer.rollouts.rewards import RewardError, score_group
-from harness_trainer.training.packing import chains_from_trace
+from harness_trainer.rollouts.session import run_rollout
 from harness_trainer.traces.files import TrainingTrace
+from harness_trainer.training.packing import chains_from_trace
 
 EXAMPLES = Path(wordle.__file__).parent
 
@@ -325,10 +327,10 @@ def test_reward_from_a_tool_argument_rises(tmp_path):
     tool-call format (SFT on scripted episodes that dial every digit equally often), then GRPO through the
     white-box loop, with the trainer's default trust region, is rewarded only when the digit it passes to the
     tool is 5 or more."""
-    from harness_trainer.serving.engine import EngineConfig, VLLMServer
-    from harness_trainer.rollouts.records import write_record
     from harness_trainer.commands.sft import SFTRunConfig, run_sft
     from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
+    from harness_trainer.rollouts.records import write_record
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     model, rows = ensure_tiny_model(TinyModelSpec(vocab=320)), [{"prompt": "Dial a digit."}]

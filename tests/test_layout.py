@@ -24,6 +24,14 @@ def test_import_contracts_are_kept():
     assert "0 broken" in result.stdout and "no import cycles" in result.stdout
 
 
+def test_ruff_finds_nothing():
+    """Lint and import order (pyproject.toml: [tool.ruff]); `ruff check --fix .` mends most of what it finds."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is missing: `make setup` installs it (the test extra)"
+    result = subprocess.run([ruff, "check", "--no-cache", "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
 def _tree(doc: Path) -> set[str]:
     """The paths of the indented tree under `harness_trainer/` in a markdown file."""
     paths, stack = set(), []

@@ -13,15 +13,14 @@ from http.server import ThreadingHTTPServer
 import httpx
 import pytest
 import torch
+from stubs import StubHandler
 
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset
-from harness_trainer.training.checkpoints import save_checkpoint
-from harness_trainer.serving.weight_sync import LoraSync
 from harness_trainer.serving.engine import teacher_forced_logprobs
+from harness_trainer.serving.weight_sync import LoraSync, reload_weights
+from harness_trainer.training.checkpoints import save_checkpoint
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
-from harness_trainer.serving.weight_sync import reload_weights
-from stubs import StubHandler
 
 
 def served_adapters(engine) -> set[str]:

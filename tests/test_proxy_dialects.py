@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 from openenv.core.harness.training import TrainingTrace
+from stubs import StubHandler
 
 from harness_trainer.proxy.client import ProxyServer
-from stubs import StubHandler
 
 BASH = {"name": "bash", "description": "run a command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}

@@ -10,8 +10,8 @@ import torch
 
 from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
 from harness_trainer.rollouts.tasks import Task
-from harness_trainer.training.trust_region import StabilityMonitor
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from harness_trainer.training.trust_region import StabilityMonitor
 
 
 def test_entropy_spike_warns_and_steady_noise_does_not():

@@ -3,7 +3,6 @@ tool markers stay plain tokens, the chat template renders tool conversations, bu
 
 from __future__ import annotations
 
-
 import pytest
 from tokenizers import Tokenizer
 

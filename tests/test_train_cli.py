@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from harness_trainer.commands.cli import build_parser, main
-from harness_trainer.commands.train import train_config
-from harness_trainer.commands.train import ConfigError
+from harness_trainer.commands.train import ConfigError, train_config
 
 HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.commands.cli"]
 
@@ -225,11 +224,11 @@ def test_live_display_shows_stability_and_warnings():
 @pytest.mark.parametrize("lora", [[], ["--use-peft", "--lora-rank", "8", "--lora-alpha", "64"], ["--packing", "tree"]],
                          ids=["full", "lora", "tree"])
 def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
+    from openenv.core.harness.training import TrainingTrace
     from transformers import AutoModelForCausalLM
 
     from harness_trainer.commands.sft import sft_rows
     from harness_trainer.traces.files import write_traces
-    from openenv.core.harness.training import TrainingTrace
 
     prompt, completion = [1, 50, 60, 70, 2, 3], [300, 301, 302, 2]
     trace = TrainingTrace.model_validate({"turns": [{

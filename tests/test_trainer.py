@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.rollouts.session import CaptureContractError, LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset, load_task
-from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 SAY = textwrap.dedent("""
@@ -178,9 +178,9 @@ def test_reward_rises_from_the_random_tiny_model(tmp_path):
     """The learning proof at its smallest: a 320-token-vocabulary tiny model, an agent program of a few lines,
     a reward that depends only on what the model says (its answer starts with a digit: 10 tokens of 326),
     real proxy, real sandbox, real weight syncs."""
-    from harness_trainer.serving.engine import EngineConfig, VLLMServer
-    from harness_trainer.proxy.client import ProxyServer
     from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
+    from harness_trainer.proxy.client import ProxyServer
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
 
     model = ensure_tiny_model(TinyModelSpec(vocab=320))
     with VLLMServer(EngineConfig(model=str(model), max_model_len=4096)) as engine, \

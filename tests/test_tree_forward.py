@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-from test_grpo_math import ADVANTAGES, TRACES, turn
 from openenv.core.harness.training import TrainingTrace
+from test_grpo_math import ADVANTAGES, TRACES, turn
 
+from harness_trainer.traces.prefixes import longest_prefix_parents
 from harness_trainer.training import tree_forward
 from harness_trainer.training.grpo import LossConfig, policy_loss
-from harness_trainer.traces.prefixes import longest_prefix_parents
 from harness_trainer.training.packing import chain_logprobs, chains_from_trace, pack
 from harness_trainer.training.tree_forward import chunked_logprobs, plan_ranges, tree_backward, tree_logprobs
 

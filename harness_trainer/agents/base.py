@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from harness_trainer._exceptions import AdapterError as AdapterError  # raised by the adapters, imported from here
 from harness_trainer.agents.sandbox import ExecResult, Sandbox
-from harness_trainer._exceptions import AdapterError
 
 
 @dataclass

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
 from harness_trainer._exceptions import SandboxError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import traceback
-from pathlib import Path
 
 from harness_trainer._exceptions import HarnessTrainerError
 from harness_trainer.commands.flags import ArgumentParser, add_config_flags, build_config, config_values

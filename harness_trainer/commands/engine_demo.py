@@ -13,8 +13,8 @@ import time
 import httpx
 import torch
 
-from harness_trainer.serving.engine import EngineConfig, VLLMServer, teacher_forced_logprobs
 from harness_trainer.models.tiny import ensure_tiny_model
+from harness_trainer.serving.engine import EngineConfig, VLLMServer, teacher_forced_logprobs
 from harness_trainer.serving.process import interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights, weight_version
 

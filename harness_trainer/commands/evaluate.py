@@ -12,7 +12,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from harness_trainer.rollouts.config import RolloutConfig, option

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from harness_trainer._exceptions import ConfigError
 
 

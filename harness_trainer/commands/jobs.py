@@ -38,8 +38,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness_trainer.models.hub import is_hub_id
 from harness_trainer._exceptions import JobError
+from harness_trainer.models.hub import is_hub_id
 
 # Python 3.11 (scripts/setup.sh's interpreter) on Debian; the CUDA libraries come with the torch and vllm wheels
 # and the driver with the host, so no CUDA image is needed.

@@ -300,8 +300,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"proof: {out} is not empty; remove it or pass --output-dir NEW", file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)
-    from harness_trainer.serving.engine import EngineConfig, VLLMServer
     from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
 
     recipe = RECIPES[args.harness]
     if args.agent_config:

@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness_trainer._exceptions import SFTError
 from harness_trainer.rollouts.config import option
 from harness_trainer.training.config import same_as
-from harness_trainer._exceptions import SFTError
 
 
 @dataclass

@@ -22,8 +22,14 @@ from pathlib import Path
 
 import yaml
 
-from harness_trainer.commands.flags import (ArgumentParser, ConfigError, add_config_flags, build_config, config_values,
-                                            fields_of)
+from harness_trainer.commands.flags import (
+    ArgumentParser,
+    ConfigError,
+    add_config_flags,
+    build_config,
+    config_values,
+    fields_of,
+)
 from harness_trainer.rollouts.config import RolloutConfig, option
 from harness_trainer.training.config import AsyncGRPOConfig
 
@@ -152,7 +158,12 @@ def white_box(cfg) -> tuple | None:
     """For --environment: the class (checked: it builds, has reset, its tools' schemas build) and the rows."""
     if not cfg.environment:
         return None
-    from harness_trainer.rollouts.environments import EnvironmentContractError, check_environment, load_object, load_rows
+    from harness_trainer.rollouts.environments import (
+        EnvironmentContractError,
+        check_environment,
+        load_object,
+        load_rows,
+    )
 
     try:
         environment = load_object(cfg.environment, "--environment")
@@ -183,9 +194,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
     from harness_trainer.rollouts.services import run_placement, run_services
-    from harness_trainer.serving.placement import PlacementError
     from harness_trainer.rollouts.tasks import load_dataset
     from harness_trainer.serving.engine import VLLMServer
+    from harness_trainer.serving.placement import PlacementError
     from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
 
     # 1. Everything that can fail offline fails here, before a process is started.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 from harness_trainer._exceptions import ModelError
 
 # A model repo often also holds GGUF, ONNX, original/ PyTorch checkpoints and so on; these are what vLLM,
@@ -67,8 +68,13 @@ def resolve_model(name: str | Path, revision: str | None = None) -> ModelRef:
         path = check_model_dir(Path(name).expanduser(), name)
         return ModelRef(path, served_name(path))
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     at = f" at revision {revision}" if revision else ""
     try:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import httpx
 from mitmproxy import http
 
-from harness_trainer.proxy.capture import (Completion, PolicyRefusal, SamplingPolicy, SSEDecoder, event_data,
-                                           prepare_chat_request)
-from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
+from harness_trainer._exceptions import PolicyRefusal
 from harness_trainer.proxy.anthropic import AnthropicDialect
+from harness_trainer.proxy.capture import Completion, SamplingPolicy, SSEDecoder, event_data, prepare_chat_request
+from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
 from harness_trainer.proxy.dialects import dialect_for
 from harness_trainer.proxy.engines import ENGINE_LOST, HEALTH_EVERY_S, EnginePool, NoEngine
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay

@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 import uuid
 
-from harness_trainer.proxy.translate import (BlockStream, copy_fields, function_tools, message_text, reasoning_of,
-                                            sse, tool_arguments)
+from harness_trainer.proxy.translate import (
+    BlockStream,
+    copy_fields,
+    function_tools,
+    message_text,
+    reasoning_of,
+    sse,
+    tool_arguments,
+)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: "end_turn"}
 

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
 from harness_trainer._exceptions import PolicyRefusal
 
 INJECTED = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}

@@ -20,6 +20,7 @@ import asyncio
 from dataclasses import asdict, dataclass
 
 import httpx
+
 from harness_trainer._exceptions import NoEngine
 
 HEALTH_EVERY_S = 2.0  # with several engines: how often each is asked /health

@@ -18,9 +18,9 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
-from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer._exceptions import NotTrainable
+from harness_trainer.proxy.capture import SamplingPolicy
+from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 

@@ -43,10 +43,10 @@ from pathlib import Path
 import httpx
 from openenv.core.harness.rollout import VerifyResult
 
-from harness_trainer.agents.base import AgentReport
-from harness_trainer.rollouts.session import CapturedSession
-from harness_trainer.proxy.client import ProxyClient
 from harness_trainer._exceptions import EnvironmentContractError, ModelCallError
+from harness_trainer.agents.base import AgentReport
+from harness_trainer.proxy.client import ProxyClient
+from harness_trainer.rollouts.session import CapturedSession
 
 SCORED_WITH_GROUP = "scored by the reward functions with its group"
 

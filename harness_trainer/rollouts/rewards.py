@@ -23,8 +23,8 @@ import math
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from harness_trainer.rollouts.session import HarnessRolloutOutcome
 from harness_trainer._exceptions import RewardError
+from harness_trainer.rollouts.session import HarnessRolloutOutcome
 
 log = logging.getLogger("harness_trainer")
 

@@ -31,14 +31,14 @@ from pathlib import Path
 from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
 
+from harness_trainer._exceptions import CaptureContractError
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
 from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError
 from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
-from harness_trainer.rollouts.tasks import Task
-from harness_trainer.rollouts.verifier import VerifierResult, verify
 from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
 from harness_trainer.proxy.engines import ENGINE_LOST
-from harness_trainer._exceptions import CaptureContractError
+from harness_trainer.rollouts.tasks import Task
+from harness_trainer.rollouts.verifier import VerifierResult, verify
 
 
 @dataclass

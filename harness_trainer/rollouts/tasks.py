@@ -26,9 +26,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness_trainer._exceptions import TaskError
 from harness_trainer.agents.containers import ContainerSpec
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
-from harness_trainer._exceptions import TaskError
 
 
 @dataclass(frozen=True)

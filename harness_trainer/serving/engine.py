@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from harness_trainer._exceptions import EngineError
 from harness_trainer.models.formats import ModelFormats, detect_formats, ties_embeddings
 from harness_trainer.models.hub import check_model_dir, served_name
 from harness_trainer.models.untie import untied_copy
 from harness_trainer.serving.process import ManagedProcess, free_port
-from harness_trainer._exceptions import EngineError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

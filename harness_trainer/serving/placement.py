@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
 from harness_trainer._exceptions import PlacementError
 
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import httpx
-from harness_trainer._exceptions import ProcessError
 
+from harness_trainer._exceptions import ProcessError
 
 TETHER = Path(__file__).with_name("tether.py")
 

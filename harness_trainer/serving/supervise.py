@@ -18,8 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from harness_trainer.serving.process import ManagedProcess
 from harness_trainer._exceptions import ServiceDown
+from harness_trainer.serving.process import ManagedProcess
 
 log = logging.getLogger("harness_trainer")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import httpx
+
 from harness_trainer._exceptions import WeightSyncError
 
 

@@ -10,10 +10,10 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+
 from harness_trainer._exceptions import TraceFileError
 
 if TYPE_CHECKING:

@@ -23,13 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from harness_trainer._exceptions import TrainingStopped
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.supervise import ServiceDown, wait_for
 from harness_trainer.serving.sync_steps import engine_answers
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.sharding import gathered, is_sharded
-from harness_trainer._exceptions import TrainingStopped
 
 log = logging.getLogger("harness_trainer")
 PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights

@@ -104,8 +104,7 @@ def full_optimizer_state(model, optimizer) -> dict:
 
 def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
     """Every rank passes the full dicts (read from the checkpoint); each keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)

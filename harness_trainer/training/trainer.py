@@ -54,19 +54,25 @@ from harness_trainer.rollouts.rewards import resolve_rewards, score_group
 from harness_trainer.rollouts.services import environment_sessions
 from harness_trainer.rollouts.session import CaptureContractError, RolloutRecord, run_rollout
 from harness_trainer.rollouts.tasks import Task
+from harness_trainer.serving.placement import resolve_weight_sync
 from harness_trainer.serving.weight_sync import WeightSync
 from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
 from harness_trainer.training.config import AsyncGRPOConfig
-from harness_trainer.serving.placement import resolve_weight_sync
-from harness_trainer.training.distributed import (FAILED, Ranks, broadcast, init_distributed, trainer_device,
-                                                  trainer_placement)
+from harness_trainer.training.distributed import (
+    FAILED,
+    Ranks,
+    broadcast,
+    init_distributed,
+    trainer_device,
+    trainer_placement,
+)
 from harness_trainer.training.grpo import LossConfig
 from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
 from harness_trainer.training.policy_sync import PolicySync, TrainingStopped, check_backend
 from harness_trainer.training.sharding import shard_model
 from harness_trainer.training.step import GRPOStep
-from harness_trainer.training.trust_region import StabilityMonitor
 from harness_trainer.training.tree_attention import use_tree_attention
+from harness_trainer.training.trust_region import StabilityMonitor
 
 log = logging.getLogger("harness_trainer")
 

@@ -129,15 +129,15 @@ class _TreeAttention(torch.autograd.Function):
             acc, total, seg_extras = None, None, []
             for block in seg.blocks:
                 kb, vb = (t[:, :, block.start:block.stop] for t in keys[block.source])
-                o, l, extra = _kernel_forward(qs, _expand(kb, rep).contiguous(), _expand(vb, rep).contiguous(),
-                                              block.causal, scale)
+                o, block_lse, extra = _kernel_forward(qs, _expand(kb, rep).contiguous(), _expand(vb, rep).contiguous(),
+                                                      block.causal, scale)
                 seg_extras.append(extra)
                 o = o.float()
                 if acc is None:
-                    acc, total = o, l
+                    acc, total = o, block_lse
                 else:
-                    merged = torch.logaddexp(total, l)
-                    acc = acc * torch.exp(total - merged)[..., None] + o * torch.exp(l - merged)[..., None]
+                    merged = torch.logaddexp(total, block_lse)
+                    acc = acc * torch.exp(total - merged)[..., None] + o * torch.exp(block_lse - merged)[..., None]
                     total = merged
             out[:, :, seg.start:seg.stop] = acc.to(q.dtype)
             lse[:, :, seg.start:seg.stop] = total

@@ -19,10 +19,10 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
-from harness_trainer.models.hub import cached_file
-from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
-from harness_trainer.traces.files import turn_counts
 from harness_trainer._exceptions import ViewerError
+from harness_trainer.models.hub import cached_file
+from harness_trainer.traces.files import turn_counts
+from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
 
 RUN_FILES = ("rollouts.jsonl", "traces.jsonl", "metrics.jsonl")
 CHUNK = 2048  # tokens per piece of a turn the page loads
