@@ -116,6 +116,33 @@ def test_stale_in_flight_rollouts_are_cancelled_not_finished(fresh_engine, proxy
     assert history[0]["cancelled_in_flight"] == 2 and history[1]["dropped_stale"] and history[1]["cancelled"] == 2
 
 
+def test_a_stopped_pool_writes_what_finished_and_stops_what_runs(proxy, tmp_path):
+    """The rollout pool train and eval share (rollouts/pool.py), stopped as an interrupt stops it while it waits
+    for its oldest group: the younger group that had already finished is written (no finished capture lost),
+    the running one ends at once, and nothing is written twice."""
+    import json
+
+    from harness_trainer.rollouts.pool import RolloutPool
+
+    slow = CommandHarness(f"case {{instruction}} in *slow*) sleep 120;; esac; python3 -c {shlex.quote(SAY)} "
+                          "{instruction}")
+    factory = partial(LocalSessionFactory, proxy=proxy.client, harness=slow, output_dir=tmp_path / "r")({})
+    slow_task, fast_task = load_task(say_task(tmp_path, "slow", "Say something slow.")), load_task(say_task(tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    started = time.monotonic()
+    with RolloutPool(factory, out, workers=4) as pool:
+        first, second = pool.launch(slow_task, 2, "slow"), pool.launch(fast_task, 2, "fast")
+        while not second.done():
+            time.sleep(0.2)
+        assert not first.done() and [g.task.name for g in pool.pending] == ["slow", "say"]
+    assert time.monotonic() - started < 60  # the 120 s agents were stopped
+    written = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(r["episode_id"] for r in written) == ["fast-0", "fast-1"], written
+    assert all(r["status"] == "ok" for r in written)
+    assert len((out / "traces.jsonl").read_text().splitlines()) == 2
+
+
 class TraceBreakingClient(ProxyClient):
     """A stub of the proxy's client for fault injection: a real proxy never exports a broken trace."""
 

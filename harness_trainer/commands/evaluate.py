@@ -9,11 +9,11 @@ rollouts.jsonl (one record per rollout: task, status and why, reward, tool use, 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness_trainer._exceptions import ConfigError
 from harness_trainer.rollouts.config import RolloutConfig, option
 from harness_trainer.training.config import same_as
 
@@ -40,6 +40,11 @@ class EvalConfig(RolloutConfig):
                                              "plausible slip (redirection forgotten, else first argument "
                                              "capitalised), exact per task")
     output_dir: str = option("runs/eval", "where traces and rollout records go")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.policy not in ("model", "oracle"):
+            raise ConfigError(f"unknown --policy '{self.policy}': choose model or oracle")
 
 
 @dataclass
@@ -78,32 +83,11 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
                        auxiliary_calls=sum(c.get("role") == "auxiliary" for r in records for c in r.calls))
 
 
-def _collect(futures, cfg, environment, reward_funcs, by_name, groups, records, out, progress, total) -> None:
-    """Each finished rollout written as it comes (a white-box environment's once its task's group is in)."""
-    from harness_trainer.rollouts.records import write_record
-    from harness_trainer.rollouts.rewards import score_group
-
-    for future in as_completed(futures):
-        record = future.result()
-        done = [record]
-        if environment is not None:  # scored once a task's n rollouts are in, as a training group is
-            done = groups.setdefault(record.task, [])
-            done.append(record)
-            if len(done) < cfg.num_generations:
-                continue
-            score_group(done, reward_funcs, None, by_name[record.task].row)
-        for finished in done:
-            finished.environment = None
-            records.append(finished)
-            write_record(out, finished)
-            if progress:
-                progress(finished, len(records), total)
-
-
 def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
     from harness_trainer.models.hub import model_or_default
+    from harness_trainer.rollouts.pool import RolloutPool
+    from harness_trainer.rollouts.rewards import score_group
     from harness_trainer.rollouts.services import run_services
-    from harness_trainer.rollouts.session import run_rollout
     from harness_trainer.rollouts.tasks import load_dataset
 
     environment, reward_funcs = None, []
@@ -119,8 +103,6 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         tasks = load_rows(cfg.dataset)[: cfg.limit]
     else:
         tasks = load_dataset(cfg.dataset, cfg.skip_invalid_tasks)[: cfg.limit]
-    if cfg.policy not in ("model", "oracle"):
-        raise ValueError(f"unknown --policy '{cfg.policy}': choose model or oracle")
     out = Path(cfg.output_dir)
     if environment is None:  # refused tasks and images, before anything starts or any file is removed
         from harness_trainer.agents.sandboxes import check_task_sandboxes
@@ -135,19 +117,19 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
                       oracle_tasks=tasks if cfg.policy == "oracle" else None,
                       oracle_mistake_rate=cfg.oracle_mistake_rate) as services:
         factory = services.sessions({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
-        jobs = [(task, f"{task.name}-{i}") for task in tasks for i in range(cfg.num_generations)]
-        by_name, groups = {task.name: task for task in tasks}, {}
-        live = []  # the running rollouts' sessions, to stop if the eval is interrupted
-        with ThreadPoolExecutor(cfg.max_concurrent_rollouts) as pool:
-            futures = [pool.submit(run_rollout, factory, task, episode, live.append) for task, episode in jobs]
-            try:
-                _collect(futures, cfg, environment, reward_funcs, by_name, groups, records, out, progress, len(jobs))
-            except BaseException:  # Ctrl-C, SIGTERM, a broken capture contract: start nothing more, stop what
-                for future in futures:  # runs (the pool's exit would otherwise wait for every rollout to end)
-                    future.cancel()
-                for session in live:
-                    session.cancel()
-                raise
+        # white-box: a task's rollouts are scored together, as a training group is; black-box: the verifier's
+        score = (lambda group, task: score_group(group, reward_funcs, None, task.row)) if environment else None
+        total = len(tasks) * cfg.num_generations
+        # Ctrl-C, SIGTERM or a broken capture contract: the pool's exit starts nothing more, stops what runs and
+        # writes what had finished
+        with RolloutPool(factory, out, cfg.max_concurrent_rollouts, score) as pool:
+            for task in tasks:
+                pool.launch(task, cfg.num_generations, task.name)
+            for group in pool.as_completed():
+                for record in group.records:
+                    records.append(record)
+                    if progress:
+                        progress(record, len(records), total)
     summary = summarise(records, len(tasks))
     # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
     named = cfg.model or (str(model.path) if model else None)

@@ -18,7 +18,7 @@
                       or its batch by more than max_step_kl on average, is halved until it does not
         stability: ratios, trust-region cuts, IS weights, entropy, KL to the behaviour policy, answer length;
                    a warning when entropy or KL jumps or every rollout of the step scored zero
-        every weight_sync_steps: weights -> the same vLLM (reload), version += 1 in vLLM and the proxy,
+        every weight_sync_steps: weights -> the same vLLM (the weight sync), version += 1 in vLLM and the proxy,
                                  probe: vLLM's teacher-forced logprobs must equal the trainer's
         every save_steps: checkpoint (model, optimizer, step, version, RNG, dataset position)
         save_best: best/ holds the model after the step with the best training reward (mean of best_window steps)
@@ -27,9 +27,9 @@ Staleness is read from the policy version the proxy stamped on each captured tur
 A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does. A stop
 (TrainingStopped: a service gone past the bound, a failed sync) keeps the last trained step as a checkpoint.
 
-The settings: config.py. One optimizer step: step.py. The weight sync and its probe: policy_sync.py. Data
-parallel: distributed.py. Checkpoints and best/: checkpoints.py. The trust region for fresh tokens and the
-collapse warnings: trust_region.py.
+The settings: config.py. The rollouts in flight (eval uses the same pool): rollouts/pool.py. One optimizer
+step: step.py. The weight sync and its probe: policy_sync.py. Data parallel: distributed.py. Checkpoints and
+best/: checkpoints.py. The trust region for fresh tokens and the collapse warnings: trust_region.py.
 """
 
 from __future__ import annotations
@@ -41,18 +41,15 @@ import logging
 import math
 import random
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from harness_trainer.rollouts.environments import load_rows
-from harness_trainer.rollouts.records import write_record
+from harness_trainer.rollouts.pool import RolloutPool
 from harness_trainer.rollouts.rewards import resolve_rewards, score_group
 from harness_trainer.rollouts.services import environment_sessions
-from harness_trainer.rollouts.session import CaptureContractError, RolloutRecord, run_rollout
+from harness_trainer.rollouts.session import RolloutRecord
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.serving.placement import resolve_weight_sync
 from harness_trainer.serving.weight_sync import WeightSync
@@ -167,58 +164,14 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         self.task_cursor += 1
         return self.tasks[order[index]]
 
-    def _launch_group(self, pool: ThreadPoolExecutor) -> tuple[Task, list[Future], list]:
-        task, sessions = self._next_task(), _Sessions()
-        futures = [pool.submit(run_rollout, self.factory, task, f"s{self.step}-v{self.version}-{task.name}-{g}",
-                               sessions.add) for g in range(self.args.num_generations)]
-        self._notify("on_launch", len(futures))
-        for future in futures:
-            future.add_done_callback(self._rollout_done)
-        return task, futures, sessions
-
-    def _rollout_done(self, future: Future) -> None:
-        if future.cancelled():  # never started: stale before its turn
-            self._notify("on_rollout", SimpleNamespace(status="cancelled"))
-            return
-        self._notify("on_rollout", future.exception() or future.result())
-
     def _notify(self, hook: str, payload) -> None:
         for callback in self.callbacks:
             if fn := getattr(callback, hook, None):
                 fn(payload)
 
-    def _cancel_stale(self, pending) -> int:
-        """Stop groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
-        cancelled = 0
-        for _, futures, sessions, launched in pending:
-            if self.version - launched > self.args.max_staleness:
-                for future in futures:
-                    cancelled += future.cancel()  # not started yet
-                cancelled += sessions.cancel_all()
-        return cancelled
-
-    def _collect(self, futures: list[Future], task=None) -> list[RolloutRecord]:
-        records = []
-        for future in futures:
-            try:
-                records.append(future.result())
-            except CaptureContractError:
-                raise
-            except Exception as exc:  # a failed rollout never stops the loop
-                log.warning("rollout failed: %s", exc)
-        try:
-            self._score(records, task)
-        finally:  # every rollout and its trace, trained on or not, even when a reward function failed
-            for record in records:
-                write_record(self.out, record)
-        return records
-
     def _score(self, records: list[RolloutRecord], task=None) -> None:
-        """The group's rewards, on rank 0 before anything is written or broadcast; a white-box rollout's
-        environment is released once scored."""
+        """The group's rewards, on rank 0 before anything is written or broadcast."""
         score_group(records, self.reward_funcs, self.reward_fn, getattr(task, "row", None))
-        for record in records:
-            record.environment = None
 
     # ---- checkpoints (harness_trainer/training/checkpoints.py) ------------------------------------------------------
 
@@ -292,85 +245,65 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
             # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
             # resume it may still hold weights of a step that was never checkpointed).
             self.sync_weights()
-        pending: deque[tuple[Task, list[Future], list, int]] = deque()
-        with ThreadPoolExecutor(max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)) as pool:
-            try:
-                while self.step < args.max_steps:
-                    groups, tasks, metrics = [], [], {"dropped_stale": 0, "cancelled": 0, "staleness": 0}
-                    for _ in range(args.groups_per_step):
-                        while len(pending) < groups_in_flight:
-                            task, futures, sessions = self._launch_group(pool)
-                            pending.append((task, futures, sessions, self.version))
-                        task, futures, _, launched = pending[0]
-                        records = self._collect(futures, task)  # an interrupt here still finds the group in `pending`
-                        pending.popleft()
-                        versions = [v for r in records for v in r.policy_versions]
-                        staleness = self.version - min(versions) if versions else self.version - launched
-                        metrics["staleness"] = max(metrics["staleness"], staleness)
-                        cancelled = sum(r.status == "cancelled" for r in records)
-                        if staleness > args.max_staleness or cancelled:
-                            metrics["dropped_stale"] += 1
-                            metrics["cancelled"] += cancelled
-                        else:
-                            groups.append(records)
-                            tasks.append(task.name)
+        workers = max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)
+        with RolloutPool(self.factory, self.out, workers, self._score, on_launch=self._hook("on_launch"),
+                         on_rollout=self._hook("on_rollout")) as pool:  # its exit stops what is still in flight
+            while self.step < args.max_steps:
+                groups, tasks, metrics = self._collect_step(pool, groups_in_flight)
+                try:
+                    weights_put_back = self._ensure_services()
+                except TrainingStopped:
+                    if self.step and not (self.out / f"checkpoint-{self.step}").exists():
+                        self._save()  # the last logged step is kept, whatever save_steps says
+                    raise
+                if weights_put_back:
+                    # sampled (in part) by the weights the engine was launched with: not this policy's data
+                    pool.discard()
+                    log.warning("step %d: its rollouts and those in flight are discarded; collecting again",
+                                self.step + 1)
+                    continue
+                started = time.perf_counter()
+                if groups:
+                    if self.world_size > 1:
+                        broadcast(groups)
+                    metrics |= self._train_on(groups)
+                metrics["train_time_s"] = time.perf_counter() - started
+                self.step += 1
+                if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
                     try:
-                        weights_put_back = self._ensure_services()
-                    except TrainingStopped:
-                        if self.step and not (self.out / f"checkpoint-{self.step}").exists():
-                            self._save()  # the last logged step is kept, whatever save_steps says
+                        metrics["weight_sync_time_s"] = self.sync_weights()
+                    except TrainingStopped as exc:  # the step is trained: keep it, then stop
+                        self._end_step(metrics | {"stopped": str(exc)}, tasks, save=True)
                         raise
-                    if weights_put_back:
-                        # sampled (in part) by the weights the engine was launched with: not this policy's data
-                        for _, futures, sessions, _ in pending:
-                            for future in futures:
-                                future.cancel()
-                            sessions.cancel_all()
-                        pending.clear()
-                        log.warning("step %d: its rollouts and those in flight are discarded; collecting again",
-                                    self.step + 1)
-                        continue
-                    started = time.perf_counter()
-                    if groups:
-                        if self.world_size > 1:
-                            broadcast(groups)
-                        metrics |= self._train_on(groups)
-                    metrics["train_time_s"] = time.perf_counter() - started
-                    self.step += 1
-                    if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
-                        try:
-                            metrics["weight_sync_time_s"] = self.sync_weights()
-                        except TrainingStopped as exc:  # the step is trained: keep it, then stop
-                            self._end_step(metrics | {"stopped": str(exc)}, tasks, save=True)
-                            raise
-                        metrics["probe_gap"] = self.last_probe_gap
-                        metrics["cancelled_in_flight"] = self._cancel_stale(pending)
-                    self._end_step(metrics, tasks)
-            finally:
-                for _, futures, sessions, _ in pending:  # in-flight work of a finished run is stopped
-                    for future in futures:
-                        future.cancel()
-                    sessions.cancel_all()
+                    metrics["probe_gap"] = self.last_probe_gap
+                    metrics["cancelled_in_flight"] = pool.cancel_stale(self.version, args.max_staleness)
+                self._end_step(metrics, tasks)
         return self.history
 
+    def _collect_step(self, pool: RolloutPool, groups_in_flight: int) -> tuple[list, list[str], dict]:
+        """A step's groups_per_step groups, oldest first, the pool kept full; a group with a rollout more than
+        max_staleness versions old (or cancelled) is dropped and counted."""
+        args = self.args
+        groups, tasks, metrics = [], [], {"dropped_stale": 0, "cancelled": 0, "staleness": 0}
+        for _ in range(args.groups_per_step):
+            while len(pool.pending) < groups_in_flight:
+                task = self._next_task()
+                pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}", self.version)
+            group = pool.next()
+            versions = [v for r in group.records for v in r.policy_versions]
+            staleness = self.version - min(versions) if versions else self.version - group.launched
+            metrics["staleness"] = max(metrics["staleness"], staleness)
+            cancelled = sum(r.status == "cancelled" for r in group.records)
+            if staleness > args.max_staleness or cancelled:
+                metrics["dropped_stale"] += 1
+                metrics["cancelled"] += cancelled
+            else:
+                groups.append(group.records)
+                tasks.append(group.task.name)
+        return groups, tasks, metrics
 
-class _Sessions(list):
-    """The live sessions of one group. Once cancelled, a session registering late is cancelled on arrival."""
-    stopped = False
-
-    def add(self, session) -> None:
-        self.append(session)
-        if self.stopped:
-            session.cancel()
-
-    def cancel_all(self) -> int:
-        self.stopped = True
-        count = 0
-        for session in list(self):
-            if not session.cancelled:
-                session.cancel()
-                count += 1
-        return count
+    def _hook(self, name: str):
+        return (lambda payload: self._notify(name, payload)) if self.callbacks else None
 
 
 def _schedule(optimizer, args: AsyncGRPOConfig):
