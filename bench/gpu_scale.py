@@ -1,6 +1,6 @@
 """One training step at real model size on one GPU: a randomly initialised Qwen2-1.5B-shaped model in bfloat16
 with gradient checkpointing, on G = 8 rollouts of 32k tokens each (a 12k shared prompt, then 40 turns of 100
-sampled and 400 tool tokens), through the trainer's own path (rows.pack -> tree_forward.tree_backward in
+sampled and 400 tool tokens), through the trainer's own path (packing.pack -> tree_forward.tree_backward in
 micro-batches -> AdamW). First the exactness of that path against naive rows on a small case (bench/gpu_check.py,
 float32 and bfloat16), then the step: peak memory, time, tokens.
 

@@ -7,7 +7,7 @@ A group of G = 8 rollouts shaped like opencode's: a 12k-token shared system prom
 a fraction of that size (prompt and turns both scaled). One step = forward, backward and an AdamW step of the
 embedded tiny model on CPU, each path in its own process (peak RSS is per process):
 
-    tree     rows.pack -> tree_forward.tree_backward, the whole tree as one micro-batch
+    tree     packing.pack -> tree_forward.tree_backward, the whole tree as one micro-batch
     tree-mb  the same in micro-batches of --budget tokens (the trainer's max_tokens_per_microbatch)
     naive    one plain causal row per chain through the model's own sdpa attention, logprobs at trained
              positions only, backward chain by chain: the memory-efficient way that shares no prefix

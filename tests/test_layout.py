@@ -32,6 +32,13 @@ def test_ruff_finds_nothing():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("package", sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
+def test_each_package_docstring_names_every_module_it_holds(package):
+    doc = (PACKAGE / package / "__init__.py").read_text()
+    missing = [m.name for m in sorted((PACKAGE / package).glob("*.py")) if m.name != "__init__.py" and m.name not in doc]
+    assert not missing, f"harness_trainer/{package}/__init__.py does not say what these hold: {missing}"
+
+
 def _tree(doc: Path) -> set[str]:
     """The paths of the indented tree under `harness_trainer/` in a markdown file."""
     paths, stack = set(), []

@@ -24,15 +24,16 @@ from dataclasses import dataclass, field
 import httpx
 from mitmproxy import http
 
-from harness_trainer._exceptions import PolicyRefusal
+from harness_trainer._exceptions import NoEngine, PolicyRefusal
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.capture import Completion, SamplingPolicy, SSEDecoder, event_data, prepare_chat_request
 from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
 from harness_trainer.proxy.dialects import dialect_for
-from harness_trainer.proxy.engines import ENGINE_LOST, HEALTH_EVERY_S, EnginePool, NoEngine
+from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
 from harness_trainer.proxy.rollout import Call, Session
 from harness_trainer.proxy.store import SessionStore
+from harness_trainer.serving.process import HEALTH_EVERY_S
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 BUDGET_STOP = "Step budget exhausted; stopping."
@@ -196,8 +197,6 @@ class CaptureAddon:
             policy=SamplingPolicy.from_dict(body.get("policy")), max_model_calls=body.get("max_model_calls"),
             policy_version=int(body.get("policy_version", self.store.current_version)),
             metadata=body.get("metadata") or {})
-
-    # ---- hooks ---------------------------------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
         """Fails closed: a call that did not go through the whole capture path is refused, never forwarded as

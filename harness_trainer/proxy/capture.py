@@ -181,10 +181,6 @@ class SSEDecoder:
             events.append(self._buffer[:cut])
             self._buffer = self._buffer[cut + 2:]
 
-    def rest(self) -> bytes:
-        rest, self._buffer = self._buffer, b""
-        return rest
-
 
 def event_data(event: bytes) -> str | None:
     """The joined `data:` payload of one SSE event (None for comments/keep-alives)."""

@@ -111,10 +111,6 @@ class ProxyServer:
         self.startup_timeout_s = startup_timeout_s
         self.client = ProxyClient(self.url, self.admin_key)
 
-    @property
-    def ca_path(self) -> Path:
-        return self.confdir / "mitmproxy-ca-cert.pem"
-
     def start(self) -> ProxyServer:
         try:
             self.managed.start(self.startup_timeout_s)

@@ -23,7 +23,6 @@ import httpx
 
 from harness_trainer._exceptions import NoEngine
 
-HEALTH_EVERY_S = 2.0  # with several engines: how often each is asked /health
 ENGINE_LOST = "engine lost"  # the prefix of a session stop that makes its rollout unscorable (rollouts/session.py)
 
 

@@ -29,11 +29,10 @@ from urllib.parse import urlparse
 
 import httpx
 
-from harness_trainer.serving.process import free_port
-from harness_trainer.serving.sync_steps import WeightSyncError, engine_answers, post_step
+from harness_trainer.serving.process import HEALTH_EVERY_S, engine_answers, free_port
+from harness_trainer.serving.sync_steps import WeightSyncError, post_step
 
 BACKENDS = ("nccl", "ipc")
-HEALTH_EVERY_S = 2.0
 
 
 def transfer_available() -> str | None:

@@ -18,6 +18,7 @@ import httpx
 from harness_trainer._exceptions import ProcessError
 
 TETHER = Path(__file__).with_name("tether.py")
+HEALTH_EVERY_S = 2.0  # how often a server's /health is asked while it runs (the proxy's engines, a GPU sync)
 
 
 def _interrupt(signum, frame):
@@ -40,6 +41,14 @@ def ignore_stop_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def engine_answers(url: str) -> bool:
+    """The server at `url` answers /health (within 5 s): the one liveness probe the trainer and the proxy use."""
+    try:
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=5).is_success
+    except httpx.HTTPError:
+        return False
 
 
 def free_port() -> int:

@@ -8,14 +8,6 @@ import httpx
 from harness_trainer._exceptions import WeightSyncError
 
 
-def engine_answers(url: str) -> bool:
-    """The engine at `url` answers /health (within 5 s)."""
-    try:
-        return httpx.get(f"{url.rstrip('/')}/health", timeout=5).is_success
-    except httpx.HTTPError:
-        return False
-
-
 def post_step(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:
     """POST one step; a failed reload step warns that the engine may now be unusable."""
     try:

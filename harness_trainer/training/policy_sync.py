@@ -26,8 +26,8 @@ import torch
 from harness_trainer._exceptions import TrainingStopped
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
+from harness_trainer.serving.process import engine_answers
 from harness_trainer.serving.supervise import ServiceDown, wait_for
-from harness_trainer.serving.sync_steps import engine_answers
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.sharding import gathered, is_sharded
 
@@ -148,12 +148,10 @@ class PolicySync:
                     put_back.append(f"the capture proxy restarted: its policy version is {self.version} again")
             if url:
                 engines = self._engine_urls(url, lost_too=True)
-                if len(engines) == 1:
-                    wait_for(f"the engine at {url}", lambda: httpx.get(f"{url.rstrip('/')}/health",
-                                                                       timeout=10).raise_for_status(), timeout)
-                else:  # several: one answering is enough to go on; a silent one is fenced by the proxy
-                    wait_for(f"any of the engines {', '.join(engines)}", lambda: _any_answers(engines), timeout)
-                    engines = [u for u in engines if engine_answers(u)]
+                # several: one answering is enough to go on; a silent one is fenced by the proxy
+                named = f"the engine at {url}" if len(engines) == 1 else f"any of the engines {', '.join(engines)}"
+                wait_for(named, lambda: _any_answers(engines), timeout)
+                engines = [u for u in engines if engine_answers(u)]
                 for engine in engines:
                     if not self._engine_serves_policy(engine):
                         weights = self.full_weights()
