@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from harness_trainer.agents.base import AdapterError, AgentReport, AgentRun, Harness, read_file
@@ -188,23 +189,29 @@ class CommandHarness:
                            exit_status=f"exit {result.returncode}")
 
 
+def _command(command: str | None, config: str | None) -> Harness:
+    if not command:
+        raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
+    return CommandHarness(command)
+
+
+# name -> make(agent_command, agent_config), as mini-swe-agent maps its environments: a new agent is its adapter
+# class (the Harness protocol, base.py) and one entry here. CONFIGURED: the ones that read --agent-config.
+HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
+    "mini-swe-agent": lambda command, config: MiniSweAgent(config),
+    "opencode": lambda command, config: OpenCode(config),
+    "claude-code": lambda command, config: ClaudeCode(config),
+    "codex": lambda command, config: Codex(),
+    "command": _command,
+}
+CONFIGURED = ("mini-swe-agent", "opencode", "claude-code")
+
+
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:
-    if config and name not in ("mini-swe-agent", "opencode", "claude-code"):
-        raise AdapterError(f"--agent-config is read by the mini-swe-agent, opencode and claude-code adapters, "
-                           f"not by {name}")
-    if name == "mini-swe-agent":
-        return MiniSweAgent(config)
-    if name == "opencode":
-        return OpenCode(config)
-    if name == "command":
-        if not command:
-            raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
-        return CommandHarness(command)
-    if name == "claude-code":
-        return ClaudeCode(config)
-    if name == "codex":
-        return Codex()
-    raise AdapterError(f"unknown harness '{name}': choose {', '.join(HARNESSES[:-1])} or {HARNESSES[-1]}")
-
-
-HARNESSES = ("mini-swe-agent", "opencode", "claude-code", "codex", "command")
+    if name not in HARNESSES:
+        names = list(HARNESSES)
+        raise AdapterError(f"unknown harness '{name}': choose {', '.join(names[:-1])} or {names[-1]}")
+    if config and name not in CONFIGURED:
+        raise AdapterError(f"--agent-config is read by the {', '.join(CONFIGURED[:-1])} and {CONFIGURED[-1]} "
+                           f"adapters, not by {name}")
+    return HARNESSES[name](command, config)

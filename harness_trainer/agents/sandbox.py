@@ -51,6 +51,8 @@ class Sandbox(Protocol):
     def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult: ...
     def upload(self, src: Path, dst: str) -> None: ...
     def download(self, src: str, dst: Path) -> None: ...
+    def clear(self, inside: str) -> None: ...  # empty a folder inside (the verifier's /tests, /logs/verifier)
+    def cancel(self) -> None: ...  # from another thread: stop the exec in progress, refuse later ones
     def stop(self) -> None: ...
 
 
@@ -239,7 +241,7 @@ class E2BSandbox:
         except ImportError:
             raise SandboxError("--sandbox e2b needs the e2b package: .venv/bin/pip install e2b") from None
         self.template, self.public_url, self.timeout_s = template, public_url, timeout_s
-        self.box = None
+        self.box, self.cancelled = None, False
 
     def start(self) -> None:
         from e2b import Sandbox as E2B
@@ -252,12 +254,24 @@ class E2BSandbox:
 
         started = time.perf_counter()
         try:
+            if self.cancelled:
+                raise SandboxError("cancelled")
             r = self.box.commands.run(command, envs=env or {}, cwd="/app", timeout=timeout_s, user="root")
             return ExecResult(r.exit_code, r.stdout, r.stderr, False, time.perf_counter() - started)
         except CommandExitException as exc:
             return ExecResult(exc.exit_code, exc.stdout, exc.stderr, False, time.perf_counter() - started)
         except TimeoutError:
             return ExecResult(-9, "", "", True, time.perf_counter() - started)
+        except Exception:
+            if not self.cancelled:
+                raise
+            return ExecResult(-9, "", "cancelled", False, time.perf_counter() - started)
+
+    def cancel(self) -> None:
+        """The sandbox is killed: its command in progress ends, and so does every later one."""
+        self.cancelled = True
+        if self.box is not None:
+            self.box.kill()
 
     def upload(self, src: Path, dst: str) -> None:
         files = [p for p in Path(src).rglob("*") if p.is_file()] if Path(src).is_dir() else [Path(src)]
@@ -289,7 +303,7 @@ class HarborSandbox:
             raise SandboxError("--sandbox harbor needs the Harbor environment: run `make setup HARBOR=1` "
                                "(harbor requires Python >= 3.12), or set HARNESS_HARBOR_PYTHON")
         self.trial = Path(trial_dir).resolve()
-        self.environment, self.task_dir = environment, task_dir
+        self.environment, self.task_dir, self.cancelled = environment, task_dir, False
         self.bridge = subprocess.Popen([str(python), str(Path(__file__).with_name("harbor_bridge.py"))],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                        text=True, start_new_session=True)
@@ -297,9 +311,12 @@ class HarborSandbox:
     def _call(self, **request) -> dict:
         import json
 
-        self.bridge.stdin.write(json.dumps(request) + "\n")
-        self.bridge.stdin.flush()
-        line = self.bridge.stdout.readline()
+        try:
+            self.bridge.stdin.write(json.dumps(request) + "\n")
+            self.bridge.stdin.flush()
+            line = self.bridge.stdout.readline()
+        except OSError:  # killed (cancel) or gone: the pipe is broken
+            line = ""
         if not line:
             raise SandboxError(f"the Harbor bridge exited (code {self.bridge.poll()}) during '{request['op']}'")
         answer = json.loads(line)
@@ -316,8 +333,18 @@ class HarborSandbox:
 
     def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
         started = time.perf_counter()
-        a = self._call(op="exec", command=command, timeout_s=timeout_s, env={**BASE_ENV, **(env or {})})
+        try:
+            a = self._call(op="exec", command=command, timeout_s=timeout_s, env={**BASE_ENV, **(env or {})})
+        except SandboxError:
+            if not self.cancelled:
+                raise
+            return ExecResult(-9, "", "cancelled", False, time.perf_counter() - started)
         return ExecResult(a["returncode"], a["stdout"], a["stderr"], a["timed_out"], time.perf_counter() - started)
+
+    def cancel(self) -> None:
+        """The bridge is killed (its environment stopped by stop()): the exec in progress and later ones end."""
+        self.cancelled = True
+        self.bridge.kill()
 
     def upload(self, src: Path, dst: str) -> None:
         self._call(op="upload", src=str(Path(src).resolve()), dst=dst)

@@ -25,6 +25,7 @@ from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
 from harness_trainer.serving.placement import Placement, plan_placement, resolve_weight_sync, visible_gpus
 from harness_trainer.serving.supervise import Supervisor
+from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL
 
 
 @dataclass
@@ -80,7 +81,7 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
                     tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser, lora_rank=lora_rank,
                     max_loras=max_loras, devices=placement.engine_devices(i), gpu=placement.gpu,
                     tensor_parallel=placement.tensor_parallel(i), gpu_memory_utilization=placement.memory_share,
-                    weight_transfer=transfer if transfer in ("nccl", "ipc") else "nccl"))))
+                    weight_transfer=transfer if transfer in GPU_BACKENDS else NCCL))))
             engine = engines[0]
         upstream = [engine.url, *(cfg.vllm_url or [])[1:], *(e.url for e in engines[1:])]
         if oracle_tasks is not None:

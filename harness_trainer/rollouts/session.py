@@ -200,7 +200,7 @@ class LocalSession(CapturedSession):
     def cancel(self) -> None:
         """Stop the agent now (from another thread): the rollout ends 'cancelled', unverified and untrained."""
         self.cancelled = True
-        if self.sandbox is not None and hasattr(self.sandbox, "cancel"):
+        if self.sandbox is not None:
             self.sandbox.cancel()
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from harness_trainer.models.formats import ModelFormats, detect_formats, ties_em
 from harness_trainer.models.hub import check_model_dir, served_name
 from harness_trainer.models.untie import untied_copy
 from harness_trainer.serving.process import ManagedProcess, free_port
+from harness_trainer.serving.sync_steps import IPC, NCCL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,7 @@ class EngineConfig:
     devices: str | None = None  # GPU only: CUDA_VISIBLE_DEVICES for this engine (serving/placement.py)
     tensor_parallel: int = 1  # GPU only: --tensor-parallel-size, over `devices`
     gpu_memory_utilization: float | None = None  # GPU only: the engine's share (one GPU shared with the trainer)
-    weight_transfer: str = "nccl"  # GPU only: the backend of --weight-transfer-config (nccl, or ipc colocated)
+    weight_transfer: str = NCCL  # GPU only: the backend of --weight-transfer-config (nccl, or ipc colocated)
     lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (serving/weight_sync.py)
     max_loras: int = 4  # adapters held at once: at least max_staleness + 2
     startup_timeout_s: float = 300.0
@@ -120,7 +121,7 @@ def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
     gpu = cfg.gpu or (cfg.gpu is None and gpu_available())
     if cfg.devices is not None and gpu:
         env["CUDA_VISIBLE_DEVICES"] = cfg.devices
-    if gpu and cfg.weight_transfer == "ipc":  # the IPC handles arrive pickled over HTTP (vLLM's own client)
+    if gpu and cfg.weight_transfer == IPC:  # the IPC handles arrive pickled over HTTP (vLLM's own client)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if cfg.lora_rank:
         from harness_trainer.serving.weight_sync import ENGINE_ENV

@@ -30,9 +30,7 @@ from urllib.parse import urlparse
 import httpx
 
 from harness_trainer.serving.process import HEALTH_EVERY_S, engine_answers, free_port
-from harness_trainer.serving.sync_steps import WeightSyncError, post_step
-
-BACKENDS = ("nccl", "ipc")
+from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL, WeightSyncError, post_step
 
 
 def transfer_available() -> str | None:
@@ -55,7 +53,7 @@ class TransferSync:
     """One engine's nccl / ipc weight sync (the WeightSync protocol of weight_sync.py)."""
 
     def __init__(self, backend: str, url: str, timeout_s: float = 120.0):
-        if backend not in BACKENDS:
+        if backend not in GPU_BACKENDS:
             raise ValueError(f"unknown transfer backend '{backend}': choose nccl or ipc")
         if (missing := transfer_available()) is not None:
             raise WeightSyncError(f"weight sync backend '{backend}' cannot run: {missing}")
@@ -120,7 +118,7 @@ class TransferSync:
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
         client = HTTPVLLMWeightSyncClient(self.base, timeout=self.timeout_s)
-        if self.backend == "nccl":
+        if self.backend == NCCL:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
             workers = engine_world_size(self.base)
@@ -161,7 +159,7 @@ class TransferSync:
                                       f"({self.base}); the {self.backend} group is left unusable")
         if failure:
             exc = failure[0]
-            if self.backend == "nccl" and step == "send_weights":
+            if self.backend == NCCL and step == "send_weights":
                 self.broken = f"'{step}' failed: {exc}"
             raise WeightSyncError(f"weight sync step '{step}' failed: {type(exc).__name__}: {exc}. "
                                   f"{_hint(exc, self.backend)}") from None

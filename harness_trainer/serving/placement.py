@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from harness_trainer._exceptions import PlacementError
+from harness_trainer.serving.sync_steps import IPC, LORA, NCCL, RELOAD
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Placement:
     @property
     def weight_sync(self) -> str:
         """The default full-weight sync for this layout."""
-        return "reload" if not self.gpu else "ipc" if self.colocated else "nccl"
+        return RELOAD if not self.gpu else IPC if self.colocated else NCCL
 
     def engine_devices(self, i: int) -> str | None:
         """CUDA_VISIBLE_DEVICES for engine i (the host's ids), None on the CPU."""
@@ -134,13 +135,13 @@ def resolve_weight_sync(requested: str | None, use_peft: bool, placement: Placem
     if requested:
         return requested
     if use_peft:
-        return "lora"
-    if placement.weight_sync != "reload":
+        return LORA
+    if placement.weight_sync != RELOAD:
         from harness_trainer.serving.gpu_sync import transfer_available
 
         if transfer_available() is None:
             return placement.weight_sync
-    return "reload"
+    return RELOAD
 
 
 def _split(engine: tuple[int, ...], engines: int) -> tuple[tuple[int, ...], ...]:

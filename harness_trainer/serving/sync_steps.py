@@ -1,11 +1,15 @@
-"""What every weight-sync backend shares: its error, and one HTTP step that either succeeds or fails loudly
-(a timeout, an unreachable engine and a non-2xx answer each raise WeightSyncError naming the step)."""
+"""What every weight-sync backend shares: the backends' names, and one HTTP step that either succeeds or fails
+loudly (a timeout, an unreachable engine and a non-2xx answer each raise WeightSyncError naming the step)."""
 
 from __future__ import annotations
 
 import httpx
 
 from harness_trainer._exceptions import WeightSyncError
+
+RELOAD, LORA, NCCL, IPC = "reload", "lora", "nccl", "ipc"  # every weight_sync_backend's name, defined here once
+GPU_BACKENDS = (NCCL, IPC)  # GPU to GPU on vLLM's weight-transfer engines (gpu_sync.py)
+BACKENDS = (RELOAD, LORA, *GPU_BACKENDS)
 
 
 def post_step(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:

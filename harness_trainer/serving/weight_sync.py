@@ -31,8 +31,9 @@ from typing import Protocol
 
 import httpx
 
+from harness_trainer._exceptions import ConfigError
 from harness_trainer.models.untie import HEAD_FILE
-from harness_trainer.serving.sync_steps import WeightSyncError, post_step
+from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, LORA, RELOAD, WeightSyncError, post_step
 
 
 class WeightSync(Protocol):
@@ -51,15 +52,11 @@ class WeightSync(Protocol):
 
 
 def make_weight_sync(backend: str, url: str, timeout_s: float = 120.0) -> WeightSync:
-    if backend == "reload":
-        return ReloadSync(url, timeout_s)
-    if backend == "lora":
-        return LoraSync(url, timeout_s)
-    if backend in ("nccl", "ipc"):  # GPU to GPU on vLLM's weight-transfer engines
-        from harness_trainer.serving.gpu_sync import TransferSync
-
-        return TransferSync(backend, url, timeout_s)
-    raise ValueError(f"unknown weight_sync_backend '{backend}': choose reload, lora, nccl or ipc")
+    """The backend of that name for the engine at `url` (the registry: WEIGHT_SYNCS, after the classes)."""
+    if backend not in WEIGHT_SYNCS:
+        raise ConfigError(f"unknown weight_sync_backend '{backend}': choose {', '.join(BACKENDS[:-1])} or "
+                          f"{BACKENDS[-1]}")
+    return WEIGHT_SYNCS[backend](url, timeout_s)
 
 
 def ram_dir(prefix: str = "harness-weights-") -> Path:
@@ -221,3 +218,16 @@ class LoraSync:
         for directory in self.loaded.values():
             shutil.rmtree(directory, ignore_errors=True)
         self.loaded.clear()
+
+
+def _transfer(backend: str):
+    def make(url: str, timeout_s: float) -> WeightSync:
+        from harness_trainer.serving.gpu_sync import TransferSync  # torch and vllm: only where they run
+
+        return TransferSync(backend, url, timeout_s)
+    return make
+
+
+# backend name -> make(url, timeout_s): a new backend is a class with WeightSync's methods and one entry here
+WEIGHT_SYNCS = {RELOAD: ReloadSync, LORA: LoraSync, **{name: _transfer(name) for name in GPU_BACKENDS}}
+assert tuple(WEIGHT_SYNCS) == BACKENDS

@@ -23,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from harness_trainer._exceptions import TrainingStopped
+from harness_trainer._exceptions import ConfigError, TrainingStopped
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.process import engine_answers
 from harness_trainer.serving.supervise import ServiceDown, wait_for
+from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, IPC, LORA
 from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.sharding import gathered, is_sharded
 
@@ -37,19 +38,20 @@ PROBE_IDS = [1, 10, 20, 30, 40, 50, 60, 70, 2]  # a fixed sequence both sides sc
 
 
 def check_backend(backend: str, args) -> None:
-    """The weight-sync backend fits the run's settings and this machine (ValueError naming the fix)."""
-    if backend not in ("reload", "lora", "nccl", "ipc"):
-        raise ValueError(f"unknown weight_sync_backend '{backend}': choose reload, lora, nccl or ipc")
-    if backend in ("nccl", "ipc") and (missing := transfer_available()) is not None:
-        raise ValueError(f"weight_sync_backend='{backend}' cannot run here: {missing}")
-    if backend == "ipc" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its handle all-gather spans every rank
-        raise ValueError("weight_sync_backend='ipc' shares one GPU between one trainer process and the engine: with "
+    """The weight-sync backend fits the run's settings and this machine (a ConfigError naming the fix)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown weight_sync_backend '{backend}': choose {', '.join(BACKENDS[:-1])} or "
+                          f"{BACKENDS[-1]}")
+    if backend in GPU_BACKENDS and (missing := transfer_available()) is not None:
+        raise ConfigError(f"weight_sync_backend='{backend}' cannot run here: {missing}")
+    if backend == IPC and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its handle all-gather spans every rank
+        raise ConfigError("weight_sync_backend='ipc' shares one GPU between one trainer process and the engine: with "
                          "several trainer ranks use nccl")
-    if (backend == "lora") != args.use_peft:
-        raise ValueError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
+    if (backend == LORA) != args.use_peft:
+        raise ConfigError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
                          "full weights by reload, nccl or ipc")
     if args.use_peft and args.distributed == "fsdp":
-        raise ValueError("use_peft with distributed='fsdp' is not supported: an adapter is small, train it with "
+        raise ConfigError("use_peft with distributed='fsdp' is not supported: an adapter is small, train it with "
                          "distributed='ddp'")
 
 
