@@ -39,7 +39,7 @@ STEP = textwrap.dedent("""
     trainer = HarnessAsyncGRPOTrainer(str(ensure_tiny_model()), lambda sampling: None, AsyncGRPOConfig(
         output_dir=out, distributed=distributed, max_tokens_per_microbatch=8192), [Task.__new__(Task)])
     started = time.perf_counter()
-    metrics = trainer._train_on([records])
+    metrics = trainer._train_on(trainer.score([records]))
     seconds = time.perf_counter() - started
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     with open(f"{out}/rank{trainer.rank}.json", "w") as f:

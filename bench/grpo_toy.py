@@ -201,7 +201,7 @@ def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict
                     groups.append(records)
                 queue.append(groups)
             if step >= delay:
-                metrics = trainer._train_on(queue.pop(0))
+                metrics = trainer._train_on(trainer.score(queue.pop(0)))
                 trainer.step += 1
                 trainer.history.append(metrics)
                 history.append(metrics)

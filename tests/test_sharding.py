@@ -40,7 +40,7 @@ RUN = textwrap.dedent("""
         trainer.leading = True
         metrics = []
         for seed in ([1] if resume else [0, 1]):
-            groups = [group(seed)]
+            groups = trainer.score([group(seed)])  # rank 0 scores, as the rollout pool does, then broadcasts
             if trainer.world_size > 1:
                 broadcast(groups)
             metrics.append(trainer._train_on(groups))

@@ -98,9 +98,6 @@ class Ranks:
     (a sync, a saved folder), the optimizer's state (a checkpoint), a forward (the probe). Rank 0 then
     broadcasts the work's name and the others, waiting between steps, join in (`_together`)."""
 
-    leading = False  # rank 0 inside its loop: the others are in _follow and must be called in
-    lead_failed = False  # a follower's view: rank 0's loop ended in an error (no final save will come)
-
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop."""
         while (message := broadcast(None)) is not None:

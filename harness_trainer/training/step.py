@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -30,79 +31,65 @@ from harness_trainer.training.tree_forward import plan_ranges, tree_backward, tr
 from harness_trainer.training.trust_region import bound_step, room_in
 
 
+@dataclass
+class Batch:
+    """A step's groups as training input: every rollout's chains (prefix shared), one advantage per rollout, the
+    global count of trained tokens (the loss's denominator on every rank) and the step's reward metrics."""
+    chains: list
+    advantages: list[float]
+    total: int
+    metrics: dict
+
+
+def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: bool) -> Batch:
+    """Scored groups (rollouts/pool.py scores them) -> advantages per group -> chains; the reward metrics."""
+    seen: set = set()
+    chains, advantages, rewards_all, verifier, zero_groups, lengths = [], [], [], [], 0, []
+    terms: dict[str, list[float]] = {}
+    for records in groups:
+        rewards = [r.reward if r.status != "unscorable" else None for r in records]
+        for record in records:
+            for name, value in (record.reward_terms or {}).items():
+                if value is not None:
+                    terms.setdefault(name, []).append(value)
+        group = group_advantages(rewards, scale_std=scale_rewards)
+        rewards_all += [r for r in rewards if r is not None]
+        verifier += [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
+        zero_groups += group.zero_variance
+        for record, adv in zip(records, group.advantages):
+            if not record.training_trace:
+                continue
+            trace = TrainingTrace.model_validate(record.training_trace)
+            lengths.append(sum(sum(t.loss_mask[len(t.prompt_token_ids):]) for t in trace.turns))
+            if adv is None or group.zero_variance:
+                continue
+            chains += chains_from_trace(trace, len(advantages), seen)
+            advantages.append(adv)
+    metrics = {"groups": len(groups), "rollouts": sum(map(len, groups)),
+               "failed": sum(r.status == "unscorable" for g in groups for r in g),
+               "reward_mean": _mean(rewards_all), "reward_max": max(rewards_all, default=None),
+               "verifier_reward_mean": _mean(verifier), "scorable": len(rewards_all),
+               "zero_variance": zero_groups == len(groups), "zero_variance_groups": zero_groups,
+               "completion_tokens_mean": _mean(lengths)}
+    for name, values in terms.items():  # each reward function on its own curve
+        metrics[f"rewards/{name}/mean"] = _mean(values)
+        metrics[f"rewards/{name}/std"] = statistics.pstdev(values)
+    return Batch(chains, advantages, sum(sum(c.trained) for c in chains), metrics)
+
+
 class GRPOStep:
     def _train_on(self, groups: list[list[RolloutRecord]]) -> dict:
-        """One optimizer step on finished groups, each with its own advantages; the loss is the token mean over
-        every trained token of the step."""
-        seen: set = set()
-        chains, advantages, rewards_all, verifier, zero_groups, lengths = [], [], [], [], 0, []
-        metrics = {"groups": len(groups), "rollouts": sum(map(len, groups)),
-                   "failed": sum(r.status == "unscorable" for g in groups for r in g)}
-        terms: dict[str, list[float]] = {}
-        for records in groups:
-            if any(r.reward_terms is None for r in records):  # groups built outside the loop (tests, benches)
-                self._score(records)
-            rewards = [r.reward if r.status != "unscorable" else None for r in records]
-            for record in records:
-                for name, value in (record.reward_terms or {}).items():
-                    if value is not None:
-                        terms.setdefault(name, []).append(value)
-            group = group_advantages(rewards, scale_std=self.args.scale_rewards)
-            rewards_all += [r for r in rewards if r is not None]
-            verifier += [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
-            zero_groups += group.zero_variance
-            for record, adv in zip(records, group.advantages):
-                if not record.training_trace:
-                    continue
-                trace = TrainingTrace.model_validate(record.training_trace)
-                lengths.append(sum(sum(t.loss_mask[len(t.prompt_token_ids):]) for t in trace.turns))
-                if adv is None or group.zero_variance:
-                    continue
-                chains += chains_from_trace(trace, len(advantages), seen)
-                advantages.append(adv)
-        metrics |= {"reward_mean": _mean(rewards_all), "reward_max": max(rewards_all, default=None),
-                    "verifier_reward_mean": _mean(verifier), "scorable": len(rewards_all),
-                    "zero_variance": zero_groups == len(groups), "zero_variance_groups": zero_groups,
-                    "completion_tokens_mean": _mean(lengths), "lr": self.lr_at(self.step)}
-        for name, values in terms.items():  # each reward function on its own curve
-            metrics[f"rewards/{name}/mean"] = _mean(values)
-            metrics[f"rewards/{name}/std"] = statistics.pstdev(values)
-        total = sum(sum(c.trained) for c in chains)  # the global batch's trained tokens, on every rank
-        if total == 0:
+        """One optimizer step on finished, scored groups, each with its own advantages; the loss is the token
+        mean over every trained token of the step. Every rank runs it on the same groups."""
+        batch = batch_from_groups(groups, self.args.scale_rewards)
+        metrics = batch.metrics | {"lr": self.lr_at(self.step)}
+        if batch.total == 0:
             return metrics | {"trained_tokens": 0}
         # This rank's share: whole rollouts, so a fork's supervised-once bookkeeping stays within one rank.
-        chains = [c for c in chains if c.rollout % self.world_size == self.rank]
+        chains = [c for c in batch.chains if c.rollout % self.world_size == self.rank]
         self.model.train()
         self.optimizer.zero_grad()
-        loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
-        packed = pack(chains) if chains else None
-        with gathered(self.model, train=True):  # FSDP: the whole model here, gradients reduced on the way out
-            if packed is not None and packed.trained.any():
-                tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
-                adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
-                behaviour = tree.behaviour[tree.trained].to(self.device)
-                reference = None
-                if self.args.kl_beta:
-                    with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
-                        with gathered(self.ref_model):
-                            reference = tree_logprobs(self.ref_model or self.model, tree, temperature,
-                                                      max_tokens=budget)
-
-                def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-                    # One update per batch: the proximal policy is the model as it is now, so its logprobs are
-                    # this forward's own, detached (no separate forward for them).
-                    return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
-                                       proximal=logp_part.detach(),
-                                       reference=None if reference is None else reference[index])[0]
-
-                logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
-                loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp,
-                                          reference=reference)
-                stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
-                          "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
-            elif self.args.kl_beta:
-                with gathered(self.ref_model):  # its all-gather is collective: a rank with nothing takes part
-                    pass
+        loss, stats, tree, logp = self._backward(chains, batch.advantages, batch.total)
         if is_sharded(self.model):
             loss = all_reduce(loss.detach(), self.world_size)  # the gradients were reduce-scattered
         elif self.world_size > 1:
@@ -121,7 +108,43 @@ class GRPOStep:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every rank's shard
             grad_norm = grad_norm.full_tensor()
         return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                                  "trained_tokens": total}
+                                  "trained_tokens": batch.total}
+
+    def _backward(self, chains: list, advantages: list[float], total: int):
+        """This rank's chains packed into one prefix tree, its loss's gradients accumulated in micro-batches;
+        (loss, stats, tree, logprobs). A rank with nothing to train still joins FSDP's collectives."""
+        loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
+        packed = pack(chains) if chains else None
+        with gathered(self.model, train=True):  # FSDP: the whole model here, gradients reduced on the way out
+            if packed is not None and packed.trained.any():
+                tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
+                adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
+                behaviour = tree.behaviour[tree.trained].to(self.device)
+                reference = self._reference_logprobs(tree) if self.args.kl_beta else None
+
+                def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                    # One update per batch: the proximal policy is the model as it is now, so its logprobs are
+                    # this forward's own, detached (no separate forward for them).
+                    return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
+                                       proximal=logp_part.detach(),
+                                       reference=None if reference is None else reference[index])[0]
+
+                logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
+                loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp,
+                                          reference=reference)
+                stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
+                          "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
+            elif self.args.kl_beta:
+                with gathered(self.ref_model):  # its all-gather is collective: a rank with nothing takes part
+                    pass
+        return loss, stats, tree, logp
+
+    def _reference_logprobs(self, tree) -> torch.Tensor:
+        """The starting policy's logprobs on the tree (with LoRA: the same model, its adapter disabled)."""
+        with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
+            with gathered(self.ref_model):
+                return tree_logprobs(self.ref_model or self.model, tree, self.args.temperature,
+                                     max_tokens=self.args.max_tokens_per_microbatch)
 
     def _step_change(self, tree, old: torch.Tensor | None) -> dict:
         """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from harness_trainer._exceptions import ConfigError
 from harness_trainer.rollouts.environments import load_rows
 from harness_trainer.rollouts.pool import RolloutPool
 from harness_trainer.rollouts.rewards import resolve_rewards, score_group
@@ -83,8 +84,6 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         and train_dataset rows with a `prompt` column; the trainer then runs its own capture proxy in front of
         vllm_server_base_url (rollouts/services.py). callbacks: objects with any of on_launch(n),
         on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
-        from transformers import AutoModelForCausalLM
-
         args = args or AsyncGRPOConfig()
         args.check()  # a config changed after it was made is checked again (training/config.py)
         self.args = args
@@ -94,15 +93,58 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         self.backend = resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
         check_backend(self.backend, args)
         self.rank, self.world_size = init_distributed(self.device)
+        self._load_policy(model)  # model, peft, ref_model, dtype, params
+        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its backend, made at its first sync
+        self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
+        self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
+        self.last_probe_gap: float | None = None  # the probe after the last sync (policy_sync.py)
+        self.leading = False  # rank 0 inside its loop: the other ranks are in _follow (distributed.py)
+        self.lead_failed = False  # a follower's view: rank 0's loop ended in an error
+        self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
+        if environment_factory is not None and harness_session_factory is None and self.rank == 0:
+            harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
+        # The trainer owns the sampling policy and hands it to the factory before any session starts
+        # (on rank 0 only: the other ranks never run a rollout).
+        self.factory = harness_session_factory(
+            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens}
+        ) if self.rank == 0 else None
+        self.tasks = list(train_dataset or [])
+        if self.tasks and isinstance(self.tasks[0], dict):  # dataset rows (white-box), not Harbor tasks
+            self.tasks = load_rows(self.tasks)
+        if not self.tasks:
+            raise ConfigError("train_dataset is empty: give at least one task")
+        if environment_factory is not None and not reward_funcs and rollout_reward_fn is None:
+            raise ConfigError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
+                              "returning one reward (or None) per environment")
+        self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
+        self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
+                                   args.kl_beta, args.behaviour_clip)
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
+        self.lr_at = _schedule(self.optimizer, args)
+        self.monitor = StabilityMonitor()
+        self.step, self.version, self.task_cursor = 0, 0, 0
+        self.out = Path(args.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(args.seed)
+        torch.manual_seed(args.seed)
+        self.history: list[dict] = []
+        self.callbacks = list(callbacks or [])
+        self.best = BestModel(self.out, args.best_window)
+        if args.resume_from_checkpoint:
+            load_checkpoint(self, Path(args.resume_from_checkpoint))
+
+    def _load_policy(self, model) -> None:
+        """The policy on this rank's device: loaded (or given), with its LoRA adapter, tree attention, gradient
+        checkpointing, the frozen reference when the loss has a KL term, sharded under FSDP."""
+        from transformers import AutoModelForCausalLM
+
+        args = self.args
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
         dtype = _dtype(args.dtype, self.device, sharded=args.distributed == "fsdp")
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype) if self.model_dir else model
         # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
         self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
                                                       args.lora_target_modules)) if args.use_peft else None
-        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its backend, made at its first sync
-        self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
-        self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
         use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
         if args.gradient_checkpointing or (args.gradient_checkpointing is None and args.distributed == "fsdp"
                                            and self.device.type == "cuda"):
@@ -120,38 +162,6 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
                 self.ref_model = shard_model(self.ref_model, mixed_precision=mixed)
             self.dtype = torch.bfloat16 if mixed else self.dtype  # what the forward computes in
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
-        self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
-        if environment_factory is not None and harness_session_factory is None and self.rank == 0:
-            harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
-        # The trainer owns the sampling policy and hands it to the factory before any session starts
-        # (on rank 0 only: the other ranks never run a rollout).
-        self.factory = harness_session_factory(
-            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens}
-        ) if self.rank == 0 else None
-        self.tasks = list(train_dataset or [])
-        if self.tasks and isinstance(self.tasks[0], dict):  # dataset rows (white-box), not Harbor tasks
-            self.tasks = load_rows(self.tasks)
-        if not self.tasks:
-            raise ValueError("train_dataset is empty: give at least one task")
-        if environment_factory is not None and not reward_funcs and rollout_reward_fn is None:
-            raise ValueError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
-                             "returning one reward (or None) per environment")
-        self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
-        self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
-                                   args.kl_beta, args.behaviour_clip)
-        self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
-        self.lr_at = _schedule(self.optimizer, args)
-        self.monitor = StabilityMonitor()
-        self.step, self.version, self.task_cursor = 0, 0, 0
-        self.out = Path(args.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.rng = random.Random(args.seed)
-        torch.manual_seed(args.seed)
-        self.history: list[dict] = []
-        self.callbacks = list(callbacks or [])
-        self.best = BestModel(self.out, args.best_window)
-        if args.resume_from_checkpoint:
-            load_checkpoint(self, Path(args.resume_from_checkpoint))
 
     # ---- rollouts ----------------------------------------------------------------------------------------
 
@@ -172,6 +182,13 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
     def _score(self, records: list[RolloutRecord], task=None) -> None:
         """The group's rewards, on rank 0 before anything is written or broadcast."""
         score_group(records, self.reward_funcs, self.reward_fn, getattr(task, "row", None))
+
+    def score(self, groups: list[list[RolloutRecord]]) -> list[list[RolloutRecord]]:
+        """Groups built outside the rollout pool (a test, a bench, a loop of your own), scored in place by the
+        trainer's reward functions, as the pool scores its own; returns them."""
+        for records in groups:
+            self._score(records)
+        return groups
 
     # ---- checkpoints (harness_trainer/training/checkpoints.py) ------------------------------------------------------
 
