@@ -13,7 +13,7 @@
     │   ├── JobError                  a job that cannot be built or submitted
     │   └── ViewerError               a folder the viewer cannot show
     ├── SetupError (RuntimeError)     something this machine lacks: an agent program, a sandbox, an image
-    │   ├── AdapterError              an agent program missing or misconfigured
+    │   ├── HarnessError              an agent program missing or misconfigured
     │   └── SandboxError              a sandbox that could not be made or used
     │       └── BuildError            a task's image that could not be built
     ├── ServiceError (RuntimeError)   a server that did not start, answer, or do what it was asked
@@ -89,7 +89,7 @@ class SetupError(HarnessTrainerError, RuntimeError):
     """Something this machine lacks or refused (a program, a daemon, a credential, an image)."""
 
 
-class AdapterError(SetupError):
+class HarnessError(SetupError):
     """An agent program is missing or misconfigured; the message says what to do."""
 
 

@@ -14,7 +14,7 @@ import pytest
 from stubs import StubHandler
 
 from harness_trainer.agents.containers import ContainerSpec
-from harness_trainer.agents.harnesses import AdapterError, CommandHarness, make_harness
+from harness_trainer.agents.harnesses import CommandHarness, HarnessError, make_harness
 from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox, SandboxError
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.rollouts.rewards import RewardError, resolve_reward_fn, score
@@ -204,7 +204,7 @@ def test_rollout_ok_timeout_and_clean_stop_keep_turns_and_score(proxy, tmp_path)
 
 
 def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
-    with pytest.raises(AdapterError, match="the agent program /no/such/agent .* does not exist"):
+    with pytest.raises(HarnessError, match="the agent program /no/such/agent .* does not exist"):
         LocalSessionFactory(proxy=proxy.client, harness=CommandHarness("/no/such/agent {instruction}"))
     not_started = run_rollout(LocalSessionFactory(proxy=proxy.client, harness=CommandHarness(
         "no-such-agent-program {instruction}"), output_dir=tmp_path), toy())  # a bare name: the sandbox's PATH
@@ -291,12 +291,12 @@ def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_
     own.write_text(json.dumps({"model": "elsewhere/big", "permission": {"bash": "allow"}}))
     mine = config(make_harness("opencode", config=str(own)))
     assert mine["permission"] == {"bash": "allow"} and mine["model"] == "capture/tiny"
-    with pytest.raises(AdapterError, match="no such file"):
+    with pytest.raises(HarnessError, match="no such file"):
         make_harness("opencode", config=str(tmp_path / "missing.json"))
     own.write_text("{not json")
-    with pytest.raises(AdapterError, match="not valid JSON"):
+    with pytest.raises(HarnessError, match="not valid JSON"):
         make_harness("opencode", config=str(own))
-    with pytest.raises(AdapterError, match="read by the mini-swe-agent, opencode and claude-code"):
+    with pytest.raises(HarnessError, match="read by the mini-swe-agent, opencode and claude-code"):
         make_harness("codex", config="compact")
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.responses import ResponsesDialect
-from harness_trainer.proxy.rollout import Call, Session, rollout_document, training_trace
+from harness_trainer.proxy.session import Call, Session, rollout_document, training_trace
 
 
 def chunk(**delta) -> dict:

@@ -1,4 +1,4 @@
-"""agents: the adapter contract (base.py: Harness, AgentRun, AgentReport) and each unmodified agent program
+"""agents: the harness contract (base.py: Harness, AgentRun, AgentReport) and each unmodified agent program
 pointed at the capture proxy (harnesses.py: mini-swe-agent, opencode, command, and the registry; mini_client.py;
 claude_code.py; codex.py), and the sandboxes they run in (sandbox.py: bubblewrap and e2b; containers.py: Docker
 and task images; forwarder.py: the one road out to the proxy; sandboxes.py: the registry and the pre-run checks;

@@ -1,8 +1,8 @@
-"""What every harness adapter shares: the run it is given, the report it returns, its protocol, its errors.
+"""What every harness shares: the run it is given, the report it returns, its protocol, its errors.
 Adding an agent is one small class:
 
     name                       what --harness calls it
-    check_installed()          raise AdapterError saying how to install it
+    check_installed()          raise HarnessError saying how to install it
     prepare(run) -> (command, env)   a shell command run in the sandbox's workdir, and its environment;
                                may write config files into the sandbox first
     collect(sandbox, result) -> AgentReport
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from harness_trainer._exceptions import AdapterError as AdapterError  # raised by the adapters, imported from here
+from harness_trainer._exceptions import HarnessError as HarnessError  # raised by the harnesses, imported from here
 from harness_trainer.agents.sandbox import ExecResult, Sandbox
 
 
 @dataclass
 class AgentRun:
-    """What the adapter needs to start an agent."""
+    """What the harness needs to start its agent."""
     instruction: str
     base_url: str  # the capture session's OpenAI-style base URL (ends in /v1)
     api_key: str  # the capture session id

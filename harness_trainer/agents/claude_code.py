@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from harness_trainer.agents.base import AdapterError, AgentReport, AgentRun, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, HarnessError, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CLAUDE = REPO_ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
@@ -23,13 +23,13 @@ class ClaudeCode:
 
     def __init__(self, mode: str | None = None):
         if (mode or "full") not in MODES:
-            raise AdapterError(f"--agent-config {mode!r} for claude-code: choose full (all its tools) or bare "
+            raise HarnessError(f"--agent-config {mode!r} for claude-code: choose full (all its tools) or bare "
                                "(its slim mode, one Bash tool: for small models)")
         self.mode = mode or "full"
 
     def check_installed(self) -> None:
         if not CLAUDE.exists():
-            raise AdapterError(f"claude-code is not installed at {CLAUDE}: run `make setup` (needs npm)")
+            raise HarnessError(f"claude-code is not installed at {CLAUDE}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         model = run.model

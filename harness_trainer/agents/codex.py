@@ -13,7 +13,7 @@ import json
 import shlex
 from pathlib import Path
 
-from harness_trainer.agents.base import AdapterError, AgentReport, AgentRun, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, HarnessError, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CODEX_PACKAGES = REPO_ROOT / ".tools" / "codex" / "node_modules" / "@openai"
@@ -51,7 +51,7 @@ class Codex:
 
     def check_installed(self) -> None:
         if codex_binary() is None:
-            raise AdapterError(f"codex is not installed under {CODEX_PACKAGES}: run `make setup` (needs npm)")
+            raise HarnessError(f"codex is not installed under {CODEX_PACKAGES}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         # TMPDIR must not contain CODEX_HOME, or codex cannot make its helper links and every command fails.

@@ -1,4 +1,4 @@
-"""Harness adapters: how to run one unmodified agent program against a capture session, inside a sandbox,
+"""Harnesses: how to run one unmodified agent program against a capture session, inside a sandbox,
 and what it did, read from its own output (the contract: agents/base.py). mini-swe-agent, opencode and the
 command template live here; claude-code and codex have a file each.
 """
@@ -10,12 +10,12 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from harness_trainer.agents.base import AdapterError, AgentReport, AgentRun, Harness, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, Harness, HarnessError, read_file
 from harness_trainer.agents.claude_code import ClaudeCode
 from harness_trainer.agents.codex import Codex
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
-__all__ = ["AdapterError", "AgentReport", "AgentRun", "Harness", "make_harness"]
+__all__ = ["HarnessError", "AgentReport", "AgentRun", "Harness", "make_harness"]
 
 MINI = REPO_ROOT / ".venv-mini" / "bin" / "mini"
 OPENCODE = REPO_ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
@@ -31,7 +31,7 @@ def _agent_config(config: str | None, compact: Path, kind: str) -> Path | None:
     file), or a path that must exist."""
     path = compact if config == "compact" else Path(config) if config not in (None, "full") else None
     if path is not None and not path.is_file():
-        raise AdapterError(f"--agent-config {config}: no such file (give {kind}, or 'compact' for the packaged "
+        raise HarnessError(f"--agent-config {config}: no such file (give {kind}, or 'compact' for the packaged "
                            "short prompt)")
     return path
 
@@ -47,7 +47,7 @@ class MiniSweAgent:
 
     def check_installed(self) -> None:
         if not MINI.exists():
-            raise AdapterError(f"mini-swe-agent is not installed at {MINI}: run `make setup`")
+            raise HarnessError(f"mini-swe-agent is not installed at {MINI}: run `make setup`")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         command = " ".join([
@@ -103,13 +103,13 @@ class OpenCode:
         try:
             self.overrides = json.loads(path.read_text()) if path else {}
         except ValueError as error:
-            raise AdapterError(f"--agent-config {config}: not valid JSON ({error}); give an opencode.json file")
+            raise HarnessError(f"--agent-config {config}: not valid JSON ({error}); give an opencode.json file")
         if not isinstance(self.overrides, dict):
-            raise AdapterError(f"--agent-config {config}: an opencode.json holds one JSON object")
+            raise HarnessError(f"--agent-config {config}: an opencode.json holds one JSON object")
 
     def check_installed(self) -> None:
         if not OPENCODE.exists():
-            raise AdapterError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
+            raise HarnessError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         # The sandbox is the boundary: opencode's own prompts for files outside its project folder (a task's /srv,
@@ -163,7 +163,7 @@ class CommandHarness:
 
     def __init__(self, template: str):
         if "{instruction}" not in template:
-            raise AdapterError("a command harness template must contain {instruction}")
+            raise HarnessError("a command harness template must contain {instruction}")
         self.template = template
 
     def check_installed(self) -> None:
@@ -171,9 +171,9 @@ class CommandHarness:
         try:
             program = shlex.split(self.template)[0]
         except (ValueError, IndexError):
-            raise AdapterError(f"--agent-command {self.template!r} is not a valid shell command line") from None
+            raise HarnessError(f"--agent-command {self.template!r} is not a valid shell command line") from None
         if "/" in program and not Path(program).exists():
-            raise AdapterError(f"the agent program {program} (from --agent-command) does not exist: install the "
+            raise HarnessError(f"the agent program {program} (from --agent-command) does not exist: install the "
                                "agent there, or fix the path in the template")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
@@ -191,11 +191,11 @@ class CommandHarness:
 
 def _command(command: str | None, config: str | None) -> Harness:
     if not command:
-        raise AdapterError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
+        raise HarnessError("--harness command needs --agent-command 'TEMPLATE with {instruction}'")
     return CommandHarness(command)
 
 
-# name -> make(agent_command, agent_config), as mini-swe-agent maps its environments: a new agent is its adapter
+# name -> make(agent_command, agent_config), as mini-swe-agent maps its environments: a new agent is its harness
 # class (the Harness protocol, base.py) and one entry here. CONFIGURED: the ones that read --agent-config.
 HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
     "mini-swe-agent": lambda command, config: MiniSweAgent(config),
@@ -210,8 +210,8 @@ CONFIGURED = ("mini-swe-agent", "opencode", "claude-code")
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:
     if name not in HARNESSES:
         names = list(HARNESSES)
-        raise AdapterError(f"unknown harness '{name}': choose {', '.join(names[:-1])} or {names[-1]}")
+        raise HarnessError(f"unknown harness '{name}': choose {', '.join(names[:-1])} or {names[-1]}")
     if config and name not in CONFIGURED:
-        raise AdapterError(f"--agent-config is read by the {', '.join(CONFIGURED[:-1])} and {CONFIGURED[-1]} "
-                           f"adapters, not by {name}")
+        raise HarnessError(f"--agent-config is read by the {', '.join(CONFIGURED[:-1])} and {CONFIGURED[-1]} "
+                           f"harnesses, not by {name}")
     return HARNESSES[name](command, config)

@@ -6,7 +6,7 @@ the openai types), more than the rest of a short rollout. A proof makes 320 roll
 ~27 CPU-minutes. This class is mini-swe-agent's own OpenRouter client (requests, the same message parsing,
 observation format and FormatError on a bad or cut-off call) pointed at `model_kwargs.api_base` instead.
 
-Runs inside the sandbox with mini-swe-agent's Python: the adapter writes this file next to the agent's config
+Runs inside the sandbox with mini-swe-agent's Python: the harness writes this file next to the agent's config
 and puts its folder on PYTHONPATH; `--agent-config compact` selects it (`model_class:
 harness_mini_client.ChatCompletionsModel`). Nothing of the project is imported here.
 """

@@ -116,7 +116,7 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
     with run_services(cfg, out, model=model, environment=environment, rollouts_dir=out,
                       oracle_tasks=tasks if cfg.policy == "oracle" else None,
                       oracle_mistake_rate=cfg.oracle_mistake_rate) as services:
-        factory = services.sessions({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
+        factory = services.session_factory({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
         # white-box: a task's rollouts are scored together, as a training group is; black-box: the verifier's
         score = (lambda group, task: score_group(group, reward_funcs, None, task.row)) if environment else None
         total = len(tasks) * cfg.num_generations

@@ -239,8 +239,9 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
                       lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2) as services:
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume)
-        trainer = HarnessAsyncGRPOTrainer(str(model.path), services.sessions, args, tasks, rollout_reward_fn=reward_fn,
-                                          callbacks=[*(callbacks or []), reporter], reward_funcs=reward_funcs)
+        trainer = HarnessAsyncGRPOTrainer(str(model.path), services.session_factory, args, tasks,
+                                          rollout_reward_fn=reward_fn, callbacks=[*(callbacks or []), reporter],
+                                          reward_funcs=reward_funcs)
         reporter.start()
         try:
             trainer.train()

@@ -4,7 +4,7 @@
                    translated to a chat completion, checked against the session's sampling policy, given
                    the capture fields, and re-addressed to the session's upstream
   responseheaders  a streamed answer (read from the engine by relay.py) is passed on chunk by chunk (true
-                   streaming) through `Capture.feed`, which accumulates ids and logprobs and rewrites each
+                   streaming) through `CallInFlight.feed`, which accumulates ids and logprobs and rewrites each
                    event for the agent; an engine error mid-stream becomes the dialect's error event
   response         a JSON answer is captured and rewritten; 408/429/5xx are retried; a context overflow
                    becomes a clean stop answer; other upstream errors pass through
@@ -31,7 +31,7 @@ from harness_trainer.proxy.control import ControlRoutes, json_response, session_
 from harness_trainer.proxy.dialects import dialect_for
 from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
-from harness_trainer.proxy.rollout import Call, Session
+from harness_trainer.proxy.session import Call, Session
 from harness_trainer.proxy.store import SessionStore
 from harness_trainer.serving.process import HEALTH_EVERY_S
 
@@ -41,7 +41,7 @@ CONTEXT_STOP = "Context length exceeded; stopping."
 
 
 @dataclass
-class Capture:
+class CallInFlight:
     """One model call in flight."""
     store: SessionStore
     session: Session
@@ -267,7 +267,7 @@ class CaptureAddon:
         session.started_calls += 1
         self.store.in_flight[sent["model"]] = self.store.in_flight.get(sent["model"], 0) + 1
         self.pool.call_started(session.upstream)
-        flow.metadata["capture"] = Capture(
+        flow.metadata["capture"] = CallInFlight(
             self.store, session, dialect, asked, sent, requested, sent_params, stream, session.policy_version,
             flow.request.headers.get("x-session-id"))
         if stream:  # through the relay, so a stream the engine breaks still ends in an error event
@@ -281,13 +281,13 @@ class CaptureAddon:
         flow.request.content = json.dumps(sent).encode()
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        capture: Capture | None = flow.metadata.get("capture")
+        capture: CallInFlight | None = flow.metadata.get("capture")
         if capture and capture.stream and flow.response.status_code == 200:
             flow.response.stream = capture.feed
 
     def _release(self, flow: http.HTTPFlow) -> None:
         """The call is over (answered or failed): it no longer holds its model (adapter) in use."""
-        capture: Capture | None = flow.metadata.get("capture")
+        capture: CallInFlight | None = flow.metadata.get("capture")
         if capture is not None and not capture.released:
             capture.released = True
             self.store.in_flight[capture.sent["model"]] -= 1
@@ -296,17 +296,17 @@ class CaptureAddon:
                                  answered=capture.finished and not capture.failed)
 
     async def error(self, flow: http.HTTPFlow) -> None:
-        capture: Capture | None = flow.metadata.get("capture")
+        capture: CallInFlight | None = flow.metadata.get("capture")
         self._release(flow)
         if capture is not None and self.several:
             await self.check_engine(capture.session.upstream, capture.session)
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        capture: Capture | None = flow.metadata.get("capture")
+        capture: CallInFlight | None = flow.metadata.get("capture")
         if capture is None:
             return
         try:
-            if not capture.finished:  # a streamed answer finished in `Capture.feed` needs nothing more
+            if not capture.finished:  # a streamed answer finished in `CallInFlight.feed` needs nothing more
                 await self._answer(flow, capture)
         except Exception as exc:  # an answer the proxy cannot read is not passed on unread
             flow.response = json_response(502, capture.dialect.error(
@@ -316,7 +316,7 @@ class CaptureAddon:
         if self.several and (capture.failed or flow.response.status_code in (502, 503, 504)):
             await self.check_engine(capture.session.upstream, capture.session)  # died under the call?
 
-    async def _answer(self, flow: http.HTTPFlow, capture: Capture) -> None:
+    async def _answer(self, flow: http.HTTPFlow, capture: CallInFlight) -> None:
         """Retry, capture and translate a JSON answer (or a stream that came back in one piece); errors pass."""
         response = flow.response
         for attempt in range(self.retries):

@@ -28,7 +28,7 @@ from mitmproxy import ctx, http
 
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.engines import NoEngine
-from harness_trainer.proxy.rollout import NotTrainable, rollout_document, training_trace
+from harness_trainer.proxy.session import NotTrainable, rollout_document, training_trace
 
 
 def json_response(status: int, body) -> http.Response:

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from harness_trainer.proxy.capture import SamplingPolicy
-from harness_trainer.proxy.rollout import SESSION_ID, Call, Session
+from harness_trainer.proxy.session import SESSION_ID, Call, Session
 
 
 class SessionStore:

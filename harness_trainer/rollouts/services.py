@@ -32,7 +32,7 @@ from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL
 class Services:
     engine: VLLMServer
     proxy: ProxyServer
-    sessions: Callable  # sampling policy (dict) -> a session factory (LocalSessionFactory or EnvironmentSessionFactory)
+    session_factory: Callable  # sampling policy (dict) -> the factory of rollout sessions (Local- or Environment-)
     supervisor: Supervisor | None = None
 
 
