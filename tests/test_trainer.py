@@ -95,12 +95,23 @@ def test_failed_rollouts_do_not_stop_training(fresh_engine, proxy, tiny_model_di
 
 
 def test_two_groups_per_step_in_the_real_loop(fresh_engine, proxy, tiny_model_dir, tmp_path):
+    """Two groups in one step; and the weight sync passed in (TRL's weight_transfer) is the one the trainer uses."""
+    from harness_trainer.serving.weight_sync import ReloadSync
+
+    class Counted(ReloadSync):  # the real reload sync, its loads counted
+        loads: list[int] = []
+
+        def load(self, model, version, state_dict=None):
+            self.loads.append(version)
+            return super().load(model, version, state_dict)
+
     tasks = [load_task(say_task(tmp_path, "one")), load_task(say_task(tmp_path, "two", "Say something else."))]
     factory = partial(LocalSessionFactory, proxy=proxy.client, harness=SAY_HARNESS, output_dir=tmp_path / "r")
     history = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, config(
-        tmp_path, fresh_engine, max_steps=1, groups_per_step=2), tasks).train()
+        tmp_path, fresh_engine, max_steps=1, groups_per_step=2), tasks, weight_sync=Counted).train()
     assert len(history) == 1 and history[0]["groups"] == 2 and history[0]["rollouts"] == 4
     assert history[0]["task"] == "one,two" and history[0]["dropped_stale"] == 0
+    assert Counted.loads == [1, 2] and history[0]["probe_gap"] < 1e-3  # the cold sync, then the step's
 
 
 def test_stale_in_flight_rollouts_are_cancelled_not_finished(fresh_engine, proxy, tiny_model_dir, tmp_path):

@@ -129,8 +129,9 @@ class PolicySync:
     def _load_weights(self, url: str, version: int, weights: dict | None = None) -> str | None:
         """The policy into the engine as `version` (`weights`: the whole model's, gathered, with FSDP); returns
         the name it is served under (a LoRA adapter's)."""
-        if url not in self.weight_syncs:
-            self.weight_syncs[url] = make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
+        if url not in self.weight_syncs:  # the one passed in (TRL's weight_transfer), else the backend's
+            self.weight_syncs[url] = self.weight_sync(url) if self.weight_sync else \
+                make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
         return self.weight_syncs[url].load(self.peft if self.peft is not None else self.model, version,
                                            state_dict=weights)
 

@@ -41,6 +41,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,12 +79,14 @@ log = logging.getLogger("harness_trainer")
 class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
     def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
                  train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
-                 environment_factory=None, reward_funcs=None):
+                 environment_factory=None, reward_funcs=None, weight_sync: Callable[[str], WeightSync] | None = None):
         """Black-box: harness_session_factory (a partial of LocalSessionFactory) and Harbor tasks. White-box, as
         TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs (group functions, rewards.py)
         and train_dataset rows with a `prompt` column; the trainer then runs its own capture proxy in front of
         vllm_server_base_url (rollouts/services.py). callbacks: objects with any of on_launch(n),
-        on_rollout(record_or_exception), on_step(metrics), log(metrics)."""
+        on_rollout(record_or_exception), on_step(metrics), log(metrics). weight_sync: engine url -> the object
+        that puts the policy into that engine (TRL's weight_transfer; the WeightSync protocol of
+        serving/weight_sync.py); by default the backend weight_sync_backend names (or the placement's)."""
         args = args or AsyncGRPOConfig()
         args.check()  # a config changed after it was made is checked again (training/config.py)
         self.args = args
@@ -94,7 +97,8 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         check_backend(self.backend, args)
         self.rank, self.world_size = init_distributed(self.device)
         self._load_policy(model)  # model, peft, ref_model, dtype, params
-        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its backend, made at its first sync
+        self.weight_sync = weight_sync  # engine url -> its weight sync, when given
+        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its weight sync, made at its first sync
         self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
         self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
         self.last_probe_gap: float | None = None  # the probe after the last sync (policy_sync.py)
