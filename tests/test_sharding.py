@@ -37,7 +37,7 @@ RUN = textwrap.dedent("""
     if trainer.rank:
         trainer._follow()
     else:  # rank 0's side of the loop: broadcast the groups, train, save; then the final weights
-        trainer.leading = True
+        trainer.policy.leading = True
         metrics = []
         for seed in ([1] if resume else [0, 1]):
             groups = trainer.score([group(seed)])  # rank 0 scores, as the rollout pool does, then broadcasts
@@ -47,10 +47,10 @@ RUN = textwrap.dedent("""
             trainer.step += 1
             if trainer.step == 1:
                 trainer._save()
-        weights = trainer.full_weights() or trainer.model.state_dict()
+        weights = trainer.policy.full_weights() or trainer.model.state_dict()
         torch.save({"metrics": metrics, "weights": {k: v.detach().cpu() for k, v in weights.items()}},
                    out + ("/resumed.pt" if resume else "/result.pt"))
-        trainer.leading = False
+        trainer.policy.leading = False
         if trainer.world_size > 1:
             broadcast(None)
     trainer.save_model(out + "/final")  # every rank: with FSDP the gather needs them all

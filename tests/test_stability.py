@@ -41,9 +41,9 @@ def _trainer(model_dir, tmp_path, **fields) -> HarnessAsyncGRPOTrainer:
 def test_warmup_schedule_and_bad_schedule(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_steps=8, warmup_ratio=0.25,
                        lr_scheduler_type="constant_with_warmup")
-    assert [trainer.lr_at(s) for s in range(4)] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
+    assert [trainer.policy.lr_at(s) for s in range(4)] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
     cosine = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_steps=4, lr_scheduler_type="cosine")
-    assert cosine.lr_at(0) == pytest.approx(1e-3) and cosine.lr_at(2) == pytest.approx(5e-4)
+    assert cosine.policy.lr_at(0) == pytest.approx(1e-3) and cosine.policy.lr_at(2) == pytest.approx(5e-4)
     with pytest.raises(ValueError, match="--warmup-ratio needs a schedule with a warm-up"):
         _trainer(tiny_model_dir, tmp_path, warmup_ratio=0.1)
 

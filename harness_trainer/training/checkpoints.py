@@ -77,8 +77,8 @@ def save_checkpoint(trainer, keep: int) -> Path:
     out, step = trainer.out, trainer.step
     tmp = out / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_policy(tmp)
-    torch.save({"optimizer": trainer.optimizer_state(), "torch_rng": torch.get_rng_state(),
+    trainer.policy.save_policy(tmp)
+    torch.save({"optimizer": trainer.policy.optimizer_state(), "torch_rng": torch.get_rng_state(),
                 "rng": trainer.rng.getstate()}, tmp / "trainer_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(
         {"step": step, "version": trainer.version, "task_cursor": trainer.task_cursor} | trainer.best.state()))
@@ -103,18 +103,19 @@ def load_checkpoint(trainer, path: Path) -> None:
         path = found[-1]
     state = json.loads((path / "trainer_state.json").read_text())
     blob = torch.load(path / "trainer_state.pt", weights_only=False)
-    if is_sharded(trainer.model):  # FSDP: every rank reads the whole state and keeps its shard
+    policy = trainer.policy
+    if is_sharded(policy.model):  # FSDP: every rank reads the whole state and keeps its shard
         weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        load_full_state(trainer.model, trainer.optimizer, weights, blob["optimizer"])
-    elif trainer.peft is not None:  # the adapter only; the base weights never changed
+        load_full_state(policy.model, policy.optimizer, weights, blob["optimizer"])
+    elif policy.peft is not None:  # the adapter only; the base weights never changed
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        set_peft_model_state_dict(trainer.peft, load_file(path / "adapter_model.safetensors"))
+        set_peft_model_state_dict(policy.peft, load_file(path / "adapter_model.safetensors"))
     else:
-        trainer.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=trainer.dtype).state_dict())
-    if not is_sharded(trainer.model):
-        trainer.optimizer.load_state_dict(blob["optimizer"])
+        policy.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=policy.dtype).state_dict())
+    if not is_sharded(policy.model):
+        policy.optimizer.load_state_dict(blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
     trainer.rng.setstate(blob["rng"])
     trainer.step, trainer.version, trainer.task_cursor = state["step"], state["version"], state["task_cursor"]

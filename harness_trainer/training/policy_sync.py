@@ -1,13 +1,13 @@
 """The policy in the engine: the trainer's weights synced into vLLM after a step through one weight-sync
 backend (serving/weight_sync.py: every weight by reload, or a LoRA adapter by name), probed, and put back when
-the engine or the proxy restarted. A mixin of the trainer (trainer.py): it reads the trainer's args, model,
-version, factory.proxy and sets served_name.
+the engine or the proxy restarted. The trainer holds one, given the policy (policy.py), the proxy and the weight
+sync to use (a backend of serving/weight_sync.py, or one passed in: TRL's weight_transfer).
 
-    sync_weights        weights -> every engine as version + 1 (in parallel), each probed: vLLM's
-                        teacher-forced logprobs must equal the trainer's; then the proxy is told, so no call is
-                        stamped with a version its engine does not serve yet
-    _ensure_services    before a step: engines and proxy answer (bounded waits, serving/supervise.py), a restarted
-                        proxy gets the version again, a restarted engine the weights again
+    sync_weights(step)      weights -> every engine as version + 1 (in parallel), each probed: vLLM's
+                            teacher-forced logprobs must equal the trainer's; then the proxy is told, so no call
+                            is stamped with a version its engine does not serve yet
+    ensure_services(step)   before a step: engines and proxy answer (bounded waits, serving/supervise.py), a
+                            restarted proxy gets the version again, a restarted engine the weights again
 
 Several engines behind the proxy (proxy/engines.py): the proxy's list is the one synced; an engine it reports lost
 is skipped (the run goes on with the others) and synced when it answers again.
@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import torch
@@ -28,13 +30,12 @@ from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.process import engine_answers
 from harness_trainer.serving.supervise import ServiceDown, wait_for
-from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, IPC, LORA
-from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync, weight_version
-from harness_trainer.training.sharding import gathered, is_sharded
+from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, IPC, LORA, RELOAD
+from harness_trainer.serving.weight_sync import WeightSync, WeightSyncError, make_weight_sync, weight_version
+from harness_trainer.training.policy import PROBE_IDS
 
 log = logging.getLogger("harness_trainer")
 PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights
-PROBE_IDS = [1, 10, 20, 30, 40, 50, 60, 70, 2]  # a fixed sequence both sides score after each sync
 
 
 def check_backend(backend: str, args) -> None:
@@ -56,13 +57,28 @@ def check_backend(backend: str, args) -> None:
 
 
 class PolicySync:
-    def sync_weights(self) -> float:
+    def __init__(self, policy, args, proxy=None, backend: str = RELOAD,
+                 weight_sync: Callable[[str], WeightSync] | None = None, out: Path | None = None):
+        """policy: the Policy (policy.py); proxy: the run's ProxyClient (None: no proxy to tell); backend: the
+        weight_sync_backend; weight_sync: engine url -> a WeightSync, used instead of the backend's; out: the
+        run's folder (named in the message of a stop)."""
+        self.policy, self.args, self.proxy, self.backend, self.weight_sync = policy, args, proxy, backend, weight_sync
+        self.out = Path(out or args.output_dir)
+        self.version = 0  # the policy version the engines serve and the proxy stamps
+        self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
+        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its weight sync, made at its first sync
+        self.recovered: list[str] = []  # what ensure_services put back since the trainer last logged a step
+        self.last_probe_gap: float | None = None  # the probe after the last sync
+        self.step = 0  # the trainer's step, for messages
+
+    def sync_weights(self, step: int) -> float:
+        self.step = step
         url = self.args.vllm_server_base_url
         if not url:
             raise TrainingStopped("vllm_server_base_url is not set: the trainer has no engine to sync weights into")
         started, version = time.perf_counter(), self.version + 1
         urls = self._engine_urls(url)
-        weights = self.full_weights()  # FSDP: gathered once from every rank (training/distributed.py), else None
+        weights = self.policy.full_weights()  # FSDP: gathered once from every rank, else None
         with ThreadPoolExecutor(min(len(urls), PARALLEL_SYNCS)) as pool:
             names = list(pool.map(lambda u: self._sync_one(u, version, weights), urls))
         synced = [(u, n) for u, n in zip(urls, names) if n is not False]
@@ -71,10 +87,10 @@ class PolicySync:
         self.version, self.served_name = version, synced[0][1]
         for engine_url, name in synced:  # every engine serves the new weights before any call is stamped with them
             self._probe(engine_url, name)
-        proxy = getattr(self.factory, "proxy", None)
+        proxy = self.proxy
         if proxy is not None:
             proxy.set_policy_version(self.version, model=self.served_name)
-        if self.peft is not None and proxy is not None:  # adapters no rollout may still sample from
+        if self.policy.peft is not None and proxy is not None:  # adapters no rollout may still sample from
             in_flight = proxy.policy_state()["in_flight"]
             for engine_url, _ in synced:
                 self._sync_step(lambda: self.weight_syncs[engine_url].unload_idle(
@@ -91,8 +107,7 @@ class PolicySync:
 
     def _proxy_engines(self) -> list[dict]:
         """The engines behind the run's proxy, as it reports them (none without a proxy)."""
-        proxy = getattr(self.factory, "proxy", None)
-        return proxy.engines() if proxy is not None and hasattr(proxy, "engines") else []
+        return self.proxy.engines() if self.proxy is not None and hasattr(self.proxy, "engines") else []
 
     def engine_metrics(self) -> dict:
         """With several engines behind the proxy, each one's figures as engine{i}/{name}: state, sessions, calls,
@@ -132,16 +147,18 @@ class PolicySync:
         if url not in self.weight_syncs:  # the one passed in (TRL's weight_transfer), else the backend's
             self.weight_syncs[url] = self.weight_sync(url) if self.weight_sync else \
                 make_weight_sync(self.backend, url, self.args.weight_sync_timeout_s)
-        return self.weight_syncs[url].load(self.peft if self.peft is not None else self.model, version,
+        policy = self.policy
+        return self.weight_syncs[url].load(policy.peft if policy.peft is not None else policy.model, version,
                                            state_dict=weights)
 
-    def _ensure_services(self) -> bool:
+    def ensure_services(self, step: int) -> bool:
         """Before a step is trained, the proxy and the engine must answer (each waited for up to
         service_recovery_timeout_s, then TrainingStopped) and hold the trainer's state: a restarted proxy is told
         the policy version again; a restarted engine, which serves the weights it was launched with, is synced
         again. True when the engine's weights were put back: rollouts may have sampled the wrong ones."""
+        self.step = step
         timeout, url = self.args.service_recovery_timeout_s, self.args.vllm_server_base_url
-        proxy, put_back, resynced = getattr(self.factory, "proxy", None), [], False
+        proxy, put_back, resynced = self.proxy, [], False
         try:
             if proxy is not None:
                 state: dict = {}  # the liveness probe's answer is the state to check: asked once
@@ -157,7 +174,7 @@ class PolicySync:
                 engines = [u for u in engines if engine_answers(u)]
                 for engine in engines:
                     if not self._engine_serves_policy(engine):
-                        weights = self.full_weights()
+                        weights = self.policy.full_weights()
                         self._sync_step(lambda: self._load_weights(engine, self.version, weights))
                         self._probe(engine, self.served_name)
                         put_back.append(f"the engine at {engine} restarted without the policy: version "
@@ -183,26 +200,19 @@ class PolicySync:
     def _probe(self, url: str, model: str | None = None) -> None:
         """vLLM must now score a fixed sequence exactly as the trainer's weights do (under `model`: the adapter)."""
         served = torch.tensor(teacher_forced_logprobs(url, PROBE_IDS, model=model))
-        logits = self._together("probe") if is_sharded(self.model) else self._probe_logits()
+        logits = self.policy.probe_logits()
         ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(PROBE_IDS[1:])[:, None])[:, 0]
         gap = float((served.double() - ours).abs().max())
         tolerance = self.args.probe_tolerance
         if tolerance is None:  # what "the same weights" can mean at this precision
-            tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+            tolerance = 1e-3 if self.policy.dtype == torch.float32 else 5e-2
         if gap > tolerance:
-            tied = getattr(self.model.config, "tie_word_embeddings", False) and self.peft is None
+            tied = getattr(self.policy.model.config, "tie_word_embeddings", False) and self.policy.peft is None
             hint = (" This model ties lm_head to its embedding: the engine must serve it untied (`harness-train "
                     "serve` and a launched engine do; a plain `vllm serve` does not), or use --use-peft") if tied else ""
             raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
                                   f"by {gap:.2e} (> {tolerance}): the engine did not take the weights.{hint}")
         self.last_probe_gap = gap
-
-
-    def _probe_logits(self) -> torch.Tensor:
-        """The trainer's logits along PROBE_IDS (with FSDP every rank runs this forward at once)."""
-        with torch.no_grad(), gathered(self.model):
-            self.model.eval()
-            return self.model(torch.tensor([PROBE_IDS], device=self.device)).logits[0, :-1].float().cpu()
 
 
 def _any_answers(urls: list[str]) -> None:

@@ -9,7 +9,7 @@
        step_clip, or its batch by more than max_step_kl mean KL, is shortened to the largest scale inside
        (or not taken)                                                training/trust_region.py
 
-A mixin of the trainer (training/trainer.py): it reads the trainer's args, model, optimizer, rank and step.
+Functions of the policy (policy.py: its args, model, optimizer, rank), called as Policy.step.
 """
 
 from __future__ import annotations
@@ -77,92 +77,94 @@ def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: bool) ->
     return Batch(chains, advantages, sum(sum(c.trained) for c in chains), metrics)
 
 
-class GRPOStep:
-    def _train_on(self, groups: list[list[RolloutRecord]]) -> dict:
-        """One optimizer step on finished, scored groups, each with its own advantages; the loss is the token
-        mean over every trained token of the step. Every rank runs it on the same groups."""
-        batch = batch_from_groups(groups, self.args.scale_rewards)
-        metrics = batch.metrics | {"lr": self.lr_at(self.step)}
-        if batch.total == 0:
-            return metrics | {"trained_tokens": 0}
-        # This rank's share: whole rollouts, so a fork's supervised-once bookkeeping stays within one rank.
-        chains = [c for c in batch.chains if c.rollout % self.world_size == self.rank]
-        self.model.train()
-        self.optimizer.zero_grad()
-        loss, stats, tree, logp = self._backward(chains, batch.advantages, batch.total)
-        if is_sharded(self.model):
-            loss = all_reduce(loss.detach(), self.world_size)  # the gradients were reduce-scattered
-        elif self.world_size > 1:
-            loss = all_reduce_gradients(self.model, loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.args.max_grad_norm)
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = metrics["lr"]
-        bounded = self.args.step_clip is not None or self.args.max_step_kl is not None
-        before = [p.detach().clone() for p in self.params] if bounded else None
-        self.optimizer.step()
-        if before is not None:  # the trust region for fresh tokens (harness_trainer/training/trust_region.py)
-            old = None if logp is None else logp.detach()
-            stats |= bound_step(self.params, before, lambda: self._step_change(tree, old),
-                                lambda change: room_in(change, self.args.step_clip, self.args.max_step_kl,
-                                                       self.args.step_clip_mode))
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every rank's shard
-            grad_norm = grad_norm.full_tensor()
-        return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                                  "trained_tokens": batch.total}
+def train_on(policy, groups: list[list[RolloutRecord]], step: int) -> dict:
+    """One optimizer step on finished, scored groups, each with its own advantages; the loss is the token
+    mean over every trained token of the step. Every rank runs it on the same groups."""
+    batch = batch_from_groups(groups, policy.args.scale_rewards)
+    metrics = batch.metrics | {"lr": policy.lr_at(step)}
+    if batch.total == 0:
+        return metrics | {"trained_tokens": 0}
+    # This rank's share: whole rollouts, so a fork's supervised-once bookkeeping stays within one rank.
+    chains = [c for c in batch.chains if c.rollout % policy.world_size == policy.rank]
+    policy.model.train()
+    policy.optimizer.zero_grad()
+    loss, stats, tree, logp = _backward(policy, chains, batch.advantages, batch.total)
+    if is_sharded(policy.model):
+        loss = all_reduce(loss.detach(), policy.world_size)  # the gradients were reduce-scattered
+    elif policy.world_size > 1:
+        loss = all_reduce_gradients(policy.model, loss.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.args.max_grad_norm)
+    for param_group in policy.optimizer.param_groups:
+        param_group["lr"] = metrics["lr"]
+    bounded = policy.args.step_clip is not None or policy.args.max_step_kl is not None
+    before = [p.detach().clone() for p in policy.params] if bounded else None
+    policy.optimizer.step()
+    if before is not None:  # the trust region for fresh tokens (harness_trainer/training/trust_region.py)
+        old = None if logp is None else logp.detach()
+        stats |= bound_step(policy.params, before, lambda: _step_change(policy, tree, old),
+                            lambda change: room_in(change, policy.args.step_clip, policy.args.max_step_kl,
+                                                   policy.args.step_clip_mode))
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
+    return metrics | stats | {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
+                              "trained_tokens": batch.total}
 
-    def _backward(self, chains: list, advantages: list[float], total: int):
-        """This rank's chains packed into one prefix tree, its loss's gradients accumulated in micro-batches;
-        (loss, stats, tree, logprobs). A rank with nothing to train still joins FSDP's collectives."""
-        loss, stats, tree, logp = torch.zeros((), device=self.device), {}, None, None
-        packed = pack(chains) if chains else None
-        with gathered(self.model, train=True):  # FSDP: the whole model here, gradients reduced on the way out
-            if packed is not None and packed.trained.any():
-                tree, budget, temperature = packed, self.args.max_tokens_per_microbatch, self.args.temperature
-                adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(self.device)
-                behaviour = tree.behaviour[tree.trained].to(self.device)
-                reference = self._reference_logprobs(tree) if self.args.kl_beta else None
 
-                def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-                    # One update per batch: the proximal policy is the model as it is now, so its logprobs are
-                    # this forward's own, detached (no separate forward for them).
-                    return policy_loss(logp_part, behaviour[index], adv[index], self.loss_cfg, total,
-                                       proximal=logp_part.detach(),
-                                       reference=None if reference is None else reference[index])[0]
+def _backward(policy, chains: list, advantages: list[float], total: int):
+    """This rank's chains packed into one prefix tree, its loss's gradients accumulated in micro-batches;
+    (loss, stats, tree, logprobs). A rank with nothing to train still joins FSDP's collectives."""
+    loss, stats, tree, logp = torch.zeros((), device=policy.device), {}, None, None
+    packed = pack(chains) if chains else None
+    with gathered(policy.model, train=True):  # FSDP: the whole model here, gradients reduced on the way out
+        if packed is not None and packed.trained.any():
+            tree, budget, temperature = packed, policy.args.max_tokens_per_microbatch, policy.args.temperature
+            adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(policy.device)
+            behaviour = tree.behaviour[tree.trained].to(policy.device)
+            reference = _reference_logprobs(policy, tree) if policy.args.kl_beta else None
 
-                logp, entropy = tree_backward(self.model, tree, loss_fn, temperature, budget)
-                loss, stats = policy_loss(logp, behaviour, adv, self.loss_cfg, total, proximal=logp,
-                                          reference=reference)
-                stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
-                          "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
-            elif self.args.kl_beta:
-                with gathered(self.ref_model):  # its all-gather is collective: a rank with nothing takes part
-                    pass
-        return loss, stats, tree, logp
+            def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                # One update per batch: the proximal policy is the model as it is now, so its logprobs are
+                # this forward's own, detached (no separate forward for them).
+                return policy_loss(logp_part, behaviour[index], adv[index], policy.loss_cfg, total,
+                                   proximal=logp_part.detach(),
+                                   reference=None if reference is None else reference[index])[0]
 
-    def _reference_logprobs(self, tree) -> torch.Tensor:
-        """The starting policy's logprobs on the tree (with LoRA: the same model, its adapter disabled)."""
-        with torch.no_grad(), (self.peft.disable_adapter() if self.peft else contextlib.nullcontext()):
-            with gathered(self.ref_model):
-                return tree_logprobs(self.ref_model or self.model, tree, self.args.temperature,
-                                     max_tokens=self.args.max_tokens_per_microbatch)
+            logp, entropy = tree_backward(policy.model, tree, loss_fn, temperature, budget)
+            loss, stats = policy_loss(logp, behaviour, adv, policy.loss_cfg, total, proximal=logp,
+                                      reference=reference)
+            stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
+                      "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
+        elif policy.args.kl_beta:
+            with gathered(policy.ref_model):  # its all-gather is collective: a rank with nothing takes part
+                pass
+    return loss, stats, tree, logp
 
-    def _step_change(self, tree, old: torch.Tensor | None) -> dict:
-        """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||
-        after), the smallest and largest ratio p_after / p_before, and the largest |p_after - p_before|."""
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        extremes = torch.full((3,), -float("inf"), dtype=torch.float64, device=self.device)  # -min, max log r; |dp|
-        with torch.no_grad(), gathered(self.model):  # FSDP: every rank gathers, whether it has a tree or not
-            new = None if tree is None else tree_logprobs(self.model, tree, self.args.temperature,
-                                                          max_tokens=self.args.max_tokens_per_microbatch).double()
-        if tree is not None:
-            diff = new - old.double()
-            sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
-            extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max(),
-                                                            (new.exp() - old.double().exp()).abs().max()]))
-        all_reduce(sums, self.world_size)
-        all_reduce(extremes, self.world_size, op="max")
-        return {"kl": float(sums[0] / sums[1].clamp(min=1)), "ratio_min": math.exp(-float(extremes[0])),
-                "ratio_max": math.exp(float(extremes[1])), "prob_move": max(float(extremes[2]), 0.0)}
+
+def _reference_logprobs(policy, tree) -> torch.Tensor:
+    """The starting policy's logprobs on the tree (with LoRA: the same model, its adapter disabled)."""
+    with torch.no_grad(), (policy.peft.disable_adapter() if policy.peft else contextlib.nullcontext()):
+        with gathered(policy.ref_model):
+            return tree_logprobs(policy.ref_model or policy.model, tree, policy.args.temperature,
+                                 max_tokens=policy.args.max_tokens_per_microbatch)
+
+
+def _step_change(policy, tree, old: torch.Tensor | None) -> dict:
+    """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||
+    after), the smallest and largest ratio p_after / p_before, and the largest |p_after - p_before|."""
+    sums = torch.zeros(2, dtype=torch.float64, device=policy.device)
+    extremes = torch.full((3,), -float("inf"), dtype=torch.float64, device=policy.device)  # -min, max log r; |dp|
+    with torch.no_grad(), gathered(policy.model):  # FSDP: every rank gathers, whether it has a tree or not
+        new = None if tree is None else tree_logprobs(policy.model, tree, policy.args.temperature,
+                                                      max_tokens=policy.args.max_tokens_per_microbatch).double()
+    if tree is not None:
+        diff = new - old.double()
+        sums += torch.stack([(torch.exp(diff) - 1 - diff).sum(), diff.new_tensor(float(diff.numel()))])
+        extremes = torch.maximum(extremes, torch.stack([(-diff).max(), diff.max(),
+                                                        (new.exp() - old.double().exp()).abs().max()]))
+    all_reduce(sums, policy.world_size)
+    all_reduce(extremes, policy.world_size, op="max")
+    return {"kl": float(sums[0] / sums[1].clamp(min=1)), "ratio_min": math.exp(-float(extremes[0])),
+            "ratio_max": math.exp(float(extremes[1])), "prob_move": max(float(extremes[2]), 0.0)}
 
 
 def _mean(values: list[float]) -> float | None:

@@ -27,18 +27,17 @@ Staleness is read from the policy version the proxy stamped on each captured tur
 A failed rollout never stops the loop; a malformed capture (CaptureContractError) always does. A stop
 (TrainingStopped: a service gone past the bound, a failed sync) keeps the last trained step as a checkpoint.
 
-The settings: config.py. The rollouts in flight (eval uses the same pool): rollouts/pool.py. One optimizer
-step: step.py. The weight sync and its probe: policy_sync.py. Data parallel: distributed.py. Checkpoints and
-best/: checkpoints.py. The trust region for fresh tokens and the collapse warnings: trust_region.py.
+The settings: config.py. The rollouts in flight (eval uses the same pool): rollouts/pool.py. The model, its
+optimizer and ranks: policy.py (one optimizer step: step.py). The weight sync and its probe: policy_sync.py.
+Data parallel: distributed.py. Checkpoints and best/: checkpoints.py. The trust region for fresh tokens and
+the collapse warnings: trust_region.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -55,28 +54,21 @@ from harness_trainer.rollouts.session import RolloutRecord
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.serving.placement import resolve_weight_sync
 from harness_trainer.serving.weight_sync import WeightSync
-from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint, save_model
+from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint
 from harness_trainer.training.config import AsyncGRPOConfig
-from harness_trainer.training.distributed import (
-    FAILED,
-    Ranks,
-    broadcast,
-    init_distributed,
-    trainer_device,
-    trainer_placement,
-)
-from harness_trainer.training.grpo import LossConfig
-from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
+from harness_trainer.training.distributed import FAILED, broadcast, init_distributed, trainer_device, trainer_placement
+from harness_trainer.training.policy import Policy
 from harness_trainer.training.policy_sync import PolicySync, TrainingStopped, check_backend
-from harness_trainer.training.sharding import shard_model
-from harness_trainer.training.step import GRPOStep
-from harness_trainer.training.tree_attention import use_tree_attention
 from harness_trainer.training.trust_region import StabilityMonitor
 
 log = logging.getLogger("harness_trainer")
 
 
-class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
+class HarnessAsyncGRPOTrainer:
+    """The loop (rollout pool -> step -> sync -> checkpoint) over three parts it holds: `policy` (policy.py: the
+    model, its optimizer and ranks), `sync` (policy_sync.py: the policy into the engines, given the weight sync)
+    and, inside `train()`, the rollout pool (rollouts/pool.py)."""
+
     def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
                  train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
                  environment_factory=None, reward_funcs=None, weight_sync: Callable[[str], WeightSync] | None = None):
@@ -92,18 +84,12 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         self.args = args
         # One device per rank: the rank's GPU of the placement (serving/placement.py), else the CPU.
         placement = trainer_placement(args)
-        self.device = trainer_device(placement)
-        self.backend = resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
-        check_backend(self.backend, args)
-        self.rank, self.world_size = init_distributed(self.device)
-        self._load_policy(model)  # model, peft, ref_model, dtype, params
-        self.weight_sync = weight_sync  # engine url -> its weight sync, when given
-        self.weight_syncs: dict[str, WeightSync] = {}  # engine url -> its weight sync, made at its first sync
-        self.served_name: str | None = None  # what the engine serves the current version as (a LoRA adapter)
-        self.recovered: list[str] = []  # what _ensure_services put back since the last logged step
-        self.last_probe_gap: float | None = None  # the probe after the last sync (policy_sync.py)
-        self.leading = False  # rank 0 inside its loop: the other ranks are in _follow (distributed.py)
-        self.lead_failed = False  # a follower's view: rank 0's loop ended in an error
+        device = trainer_device(placement)
+        backend = resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
+        check_backend(backend, args)
+        self.rank, self.world_size = init_distributed(device)
+        self.policy = Policy(model, args, device, self.rank, self.world_size)
+        self.lead_failed = False  # a follower's view: rank 0's loop ended in an error (no final save will come)
         self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
         if environment_factory is not None and harness_session_factory is None and self.rank == 0:
             harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
@@ -121,13 +107,10 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
             raise ConfigError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
                               "returning one reward (or None) per environment")
         self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
-        self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
-                                   args.kl_beta, args.behaviour_clip)
-        self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
-        self.lr_at = _schedule(self.optimizer, args)
-        self.monitor = StabilityMonitor()
-        self.step, self.version, self.task_cursor = 0, 0, 0
         self.out = Path(args.output_dir)
+        self.sync = PolicySync(self.policy, args, getattr(self.factory, "proxy", None), backend, weight_sync, self.out)
+        self.monitor = StabilityMonitor()
+        self.step, self.task_cursor = 0, 0
         self.out.mkdir(parents=True, exist_ok=True)
         self.rng = random.Random(args.seed)
         torch.manual_seed(args.seed)
@@ -137,35 +120,22 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         if args.resume_from_checkpoint:
             load_checkpoint(self, Path(args.resume_from_checkpoint))
 
-    def _load_policy(self, model) -> None:
-        """The policy on this rank's device: loaded (or given), with its LoRA adapter, tree attention, gradient
-        checkpointing, the frozen reference when the loss has a KL term, sharded under FSDP."""
-        from transformers import AutoModelForCausalLM
+    @property
+    def version(self) -> int:
+        """The policy version the engines serve (the sync's)."""
+        return self.sync.version
 
-        args = self.args
-        self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
-        dtype = _dtype(args.dtype, self.device, sharded=args.distributed == "fsdp")
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype) if self.model_dir else model
-        # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
-        self.peft = add_lora(self.model, LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout,
-                                                      args.lora_target_modules)) if args.use_peft else None
-        use_tree_attention(self.model)  # a token attends to its ancestors in the packed tree (tree_attention.py)
-        if args.gradient_checkpointing or (args.gradient_checkpointing is None and args.distributed == "fsdp"
-                                           and self.device.type == "cuda"):
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model.to(self.device)
-        # A frozen copy of the starting policy, only when the loss has a KL term to it (with LoRA: the same
-        # model with its adapter disabled).
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) \
-            if args.kl_beta and not self.peft else None
-        self.dtype = next(self.model.parameters()).dtype
-        if args.distributed == "fsdp" and self.world_size > 1:  # training/sharding.py
-            mixed = self.device.type == "cuda" and args.dtype == "auto"
-            self.model = shard_model(self.model, mixed_precision=mixed)
-            if self.ref_model is not None:
-                self.ref_model = shard_model(self.ref_model, mixed_precision=mixed)
-            self.dtype = torch.bfloat16 if mixed else self.dtype  # what the forward computes in
-        self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
+    @version.setter
+    def version(self, value: int) -> None:
+        self.sync.version = value
+
+    @property
+    def model(self):
+        return self.policy.model
+
+    @property
+    def last_probe_gap(self) -> float | None:
+        return self.sync.last_probe_gap
 
     # ---- rollouts ----------------------------------------------------------------------------------------
 
@@ -198,20 +168,8 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
 
     def save_model(self, path: str | Path) -> Path:
         """The policy in Hugging Face format, with its tokenizer: a folder vLLM can serve (with LoRA: the merged
-        model, and the adapter in adapter/)."""
-        if self.peft is None:
-            weights = self.full_weights()  # FSDP: gathered from every rank; rank 0 writes
-            return save_model(self.model, path, self.model_dir, state_dict=weights) if self.rank == 0 else Path(path)
-        path = save_model(self.model, path, self.model_dir, state_dict=merged_state_dict(self.model))
-        self.peft.save_pretrained(path / "adapter")
-        return path
-
-    def save_policy(self, path: str | Path) -> Path:
-        """What a checkpoint holds of the policy: the adapter with LoRA, else the whole servable model."""
-        if self.peft is None:
-            return self.save_model(path)
-        self.peft.save_pretrained(path)
-        return Path(path)
+        model, and the adapter in adapter/). Every rank calls it under FSDP; rank 0 writes."""
+        return self.policy.save_model(path)
 
     def _save(self) -> Path:
         return save_checkpoint(self, self.args.save_total_limit)
@@ -223,25 +181,43 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
             return self._follow()
         finished = False
         try:
-            self.leading = True
+            self.policy.leading = True
             with self.own_proxy or contextlib.nullcontext():
                 history = self._lead()
             finished = True
             return history
         finally:
-            self.leading = False
+            self.policy.leading = False
             if self.world_size > 1:  # releases the other ranks, saying whether the run finished
                 broadcast(None if finished else FAILED)
-            for sync in self.weight_syncs.values():
+            for sync in self.sync.weight_syncs.values():
                 sync.close()
+
+    def _follow(self) -> list[dict]:
+        """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop; join the collectives
+        it names (the policy's whole weights, optimizer state, the probe's forward)."""
+        while (message := broadcast(None)) is not None:
+            if message == FAILED:
+                self.lead_failed = True
+                break
+            if isinstance(message, str):
+                self.policy.together(message)
+            else:
+                self._train_on(message)
+                self.step += 1
+        return self.history
+
+    def _train_on(self, groups: list[list[RolloutRecord]]) -> dict:
+        """One optimizer step of the policy on scored groups (step.py)."""
+        return self.policy.step(groups, self.step)
 
     def _end_step(self, metrics: dict, tasks: list[str], save: bool = False) -> None:
         """Warnings, best/, the checkpoint and the metrics line of a trained step."""
         args = self.args
         metrics.update(step=self.step, version=self.version, task=",".join(tasks))
-        metrics.update(self.engine_metrics())  # several engines: each one's sessions, calls, cache hits
-        if self.recovered:  # what was put back since the last step (a restarted engine or proxy)
-            metrics["recovered"], self.recovered = self.recovered, []
+        metrics.update(self.sync.engine_metrics())  # several engines: each one's sessions, calls, cache hits
+        if self.sync.recovered:  # what was put back since the last step (a restarted engine or proxy)
+            metrics["recovered"], self.sync.recovered = self.sync.recovered, []
         if warnings := self.monitor.check(metrics):
             metrics["warnings"] = warnings
             for warning in warnings:
@@ -265,14 +241,14 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
         if args.vllm_server_base_url:
             # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
             # resume it may still hold weights of a step that was never checkpointed).
-            self.sync_weights()
+            self.sync.sync_weights(self.step)
         workers = max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)
         with RolloutPool(self.factory, self.out, workers, self._score, on_launch=self._hook("on_launch"),
                          on_rollout=self._hook("on_rollout")) as pool:  # its exit stops what is still in flight
             while self.step < args.max_steps:
                 groups, tasks, metrics = self._collect_step(pool, groups_in_flight)
                 try:
-                    weights_put_back = self._ensure_services()
+                    weights_put_back = self.sync.ensure_services(self.step)
                 except TrainingStopped:
                     if self.step and not (self.out / f"checkpoint-{self.step}").exists():
                         self._save()  # the last logged step is kept, whatever save_steps says
@@ -292,11 +268,11 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
                 self.step += 1
                 if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:
                     try:
-                        metrics["weight_sync_time_s"] = self.sync_weights()
+                        metrics["weight_sync_time_s"] = self.sync.sync_weights(self.step)
                     except TrainingStopped as exc:  # the step is trained: keep it, then stop
                         self._end_step(metrics | {"stopped": str(exc)}, tasks, save=True)
                         raise
-                    metrics["probe_gap"] = self.last_probe_gap
+                    metrics["probe_gap"] = self.sync.last_probe_gap
                     metrics["cancelled_in_flight"] = pool.cancel_stale(self.version, args.max_staleness)
                 self._end_step(metrics, tasks)
         return self.history
@@ -325,25 +301,6 @@ class HarnessAsyncGRPOTrainer(GRPOStep, PolicySync, Ranks):
 
     def _hook(self, name: str):
         return (lambda payload: self._notify(name, payload)) if self.callbacks else None
-
-
-def _schedule(optimizer, args: AsyncGRPOConfig):
-    """step -> learning rate, from transformers' schedulers (the names TRL's configs take)."""
-    from transformers import get_scheduler
-
-    warmup = math.ceil(args.warmup_ratio * args.max_steps)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=args.max_steps)  # a known name (config.py checks it)
-    factor = scheduler.lr_lambdas[0]
-    return lambda step: args.learning_rate * factor(step)
-
-
-def _dtype(name: str, device: torch.device, sharded: bool) -> torch.dtype:
-    """The weights' dtype as loaded. auto: float32 (with FSDP on GPU the forward then computes in bfloat16 over
-    those float32 masters: sharding.py); not pure bfloat16 weights, where AdamW's updates below bf16's resolution
-    (a relative 4e-3: lr 1e-6 steps) would be rounded away."""
-    return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]  # a known name (config.py checks it)
 
 
 __all__ = ["AsyncGRPOConfig", "HarnessAsyncGRPOTrainer", "TrainingStopped"]
