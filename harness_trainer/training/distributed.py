@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from harness_trainer.rollouts.config import RolloutConfig
 from harness_trainer.serving.placement import Placement, plan_placement
 
 COLLECTIVE_TIMEOUT = timedelta(hours=6)
@@ -23,12 +24,13 @@ FAILED = "failed"  # rank 0's last broadcast when its loop raised: the followers
 
 def trainer_placement(args) -> Placement:
     """The run's layout as this process sees its GPUs (serving/placement.py: --trainer-gpus, else the GPUs the
-    engine does not take, else the engine's one); the CPU's when it sees none."""
+    engine does not take, else the engine's one); the CPU's when it sees none. `args`: an AsyncGRPOConfig, or
+    harness-train's run config, which also holds the engines' settings (a RolloutConfig)."""
     visible = tuple(str(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
-    # the CLI launched the engine unless given --vllm-url; the Python API always attaches to one
-    attached = bool(getattr(args, "vllm_url", None)) or not hasattr(args, "engines")
-    return plan_placement(visible, getattr(args, "engine_gpus", None), args.trainer_gpus,
-                          getattr(args, "engines", 1), getattr(args, "engine_memory_share", 0.45), attached)
+    if isinstance(args, RolloutConfig):  # the CLI's run: it launched the engines unless given --vllm-url
+        return plan_placement(visible, args.engine_gpus, args.trainer_gpus, args.engines, args.engine_memory_share,
+                              attached=bool(args.vllm_url))
+    return plan_placement(visible, None, args.trainer_gpus, 1, 0.45, attached=True)  # the API attaches to one
 
 
 def trainer_device(placement: Placement) -> torch.device:
