@@ -195,6 +195,21 @@ def test_the_python_api_refuses_what_the_cli_refuses_in_the_same_words(field, tm
     assert not (tmp_path / "api").exists() and not (tmp_path / "cli").exists()
 
 
+def test_eval_refuses_an_unknown_policy_before_it_touches_its_folder(tmp_path, capsys):
+    """EvalConfig checks --policy itself (the CLI and the Python API alike), before any output file is removed."""
+    from harness_trainer import ConfigError as PublicConfigError
+    from harness_trainer.commands.evaluate import EvalConfig
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "rollouts.jsonl").write_text("kept\n")
+    assert main(["eval", "--policy", "teacher", "--output-dir", str(out)]) == 1
+    assert "unknown --policy 'teacher': choose model or oracle" in capsys.readouterr().err
+    with pytest.raises(PublicConfigError, match="unknown --policy 'teacher'"):
+        EvalConfig(policy="teacher", output_dir=str(out))
+    assert (out / "rollouts.jsonl").read_text() == "kept\n"
+
+
 def test_live_display_shows_stability_and_warnings():
     from rich.console import Console
 
