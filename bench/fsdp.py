@@ -44,6 +44,10 @@ STEP = textwrap.dedent("""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     with open(f"{out}/rank{trainer.rank}.json", "w") as f:
         json.dump({"seconds": seconds, "rss_gib": rss, "tree_tokens": metrics.get("tree_tokens", 0)}, f)
+    if trainer.world_size > 1:
+        from harness_trainer.training.distributed import end_process
+
+        end_process(0)  # a rank ends here, not in the interpreter's finalization (training/distributed.py)
 """)
 
 
