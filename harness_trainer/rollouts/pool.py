@@ -14,7 +14,6 @@ CaptureContractError (a capture that breaks the trace contract), which stops the
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -75,7 +74,6 @@ class RolloutPool:
         self.on_launch, self.on_rollout = on_launch, on_rollout
         self.executor = ThreadPoolExecutor(workers)
         self.pending: deque[Group] = deque()
-        self._lock = threading.Lock()
 
     def __enter__(self) -> RolloutPool:
         return self
@@ -137,10 +135,10 @@ class RolloutPool:
             self._write(records)
 
     def _write(self, records: list[RolloutRecord]) -> None:
-        with self._lock:
-            for record in records:
-                record.environment = None  # a white-box rollout's environment is released once scored
-                write_record(self.out, record)
+        """Only the caller's thread writes (collect and close run there): no lock."""
+        for record in records:
+            record.environment = None  # a white-box rollout's environment is released once scored
+            write_record(self.out, record)
 
     def cancel_stale(self, version: int, max_staleness: int) -> int:
         """Stop the groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
