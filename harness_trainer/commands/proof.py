@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _main(argv: list[str] | None) -> int:
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m harness_trainer.commands.proof", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--harness", default="mini-swe-agent", choices=sorted(RECIPES),
@@ -287,7 +287,11 @@ def _main(argv: list[str] | None) -> int:
                              "every weight)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="run the GRPO stage once per seed, from the same SFT model (default: 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
     out = Path(args.output_dir)
     sft_model = Path(args.sft_model) if args.sft_model else None
     if sft_model and (sft_model / "final" / "config.json").exists():

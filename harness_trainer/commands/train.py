@@ -187,20 +187,31 @@ def follow_training(cfg: TrainRunConfig, model, tasks, resume: str | None) -> di
     return {"rank": trainer.rank, "steps": trainer.step}
 
 
-def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
-    """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
+@dataclasses.dataclass
+class Prepared:
+    """What run_training checked offline, before any process starts."""
+
+    environment: tuple | None  # (class, rows) for an --environment run
+    tasks: list
+    model: object  # models/hub.py ModelRef
+    reward_fn: object
+    reward_funcs: object
+    resume: str | None
+    placement: object  # serving/placement.py Placement
+
+
+def prepare(cfg: TrainRunConfig) -> Prepared:
+    """Everything that can fail offline fails here: the agent, tasks, model, sandboxes, rewards, the checkpoint
+    to resume and the GPU layout; ConfigError (or the part's own error) names what to change."""
     from harness_trainer.agents.harnesses import make_harness
     from harness_trainer.agents.sandboxes import check_task_sandboxes
     from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
-    from harness_trainer.rollouts.services import run_placement, run_services
+    from harness_trainer.rollouts.services import run_placement
     from harness_trainer.rollouts.tasks import load_dataset
-    from harness_trainer.serving.engine import VLLMServer
     from harness_trainer.serving.placement import PlacementError
-    from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
 
-    # 1. Everything that can fail offline fails here, before a process is started.
-    environment = white_box(cfg)  # (class, rows) for an --environment run, else None
+    environment = white_box(cfg)
     if environment is None:
         make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
     tasks = environment[1] if environment else load_dataset(cfg.dataset, cfg.skip_invalid_tasks)
@@ -217,11 +228,24 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
         raise ConfigError(f"{out} already holds a run (metrics.jsonl): pass --resume-from-checkpoint latest to "
                           "continue it, or choose a new --output-dir")
     try:  # a GPU layout that cannot work (serving/placement.py)
-        placement = run_placement(cfg)
+        placement = run_placement(cfg, cfg.trainer_gpus, training=True)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
+    return Prepared(environment, tasks, model, reward_fn, reward_funcs, resume, placement)
+
+
+def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
+    """The whole run; returns the summary (also written to OUTPUT_DIR/summary.json)."""
+    from harness_trainer.rollouts.services import run_services
+    from harness_trainer.serving.engine import VLLMServer
+    from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
+
+    # 1. Everything that can fail offline fails here, before a process is started.
+    ready = prepare(cfg)
+    environment, model, resume, placement = ready.environment, ready.model, ready.resume, ready.placement
+    out = Path(cfg.output_dir)
     if int(os.environ.get("RANK", "0")) != 0:  # rank 0 owns the engine, proxy and rollouts: this rank trains on
-        return follow_training(cfg, model, tasks, resume)  # the groups it hands over (training/distributed.py)
+        return follow_training(cfg, model, ready.tasks, resume)  # the groups it hands over (training/distributed.py)
     reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
     for url in cfg.vllm_url or []:
         check_attached_engine(VLLMServer.attach(url), cfg)  # answers, serves what a sync can reach
@@ -236,12 +260,13 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     # 2. The servers: engine, then the capture proxy in front of it, supervised (rollouts/services.py).
     with run_services(cfg, out, model=model, environment=environment and environment[0],
                       rollouts_dir=out / "rollouts", supervise=True,
-                      lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2) as services:
+                      lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2,
+                      placement=placement, weight_sync_backend=cfg.weight_sync_backend) as services:
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume)
-        trainer = HarnessAsyncGRPOTrainer(str(model.path), services.session_factory, args, tasks,
-                                          rollout_reward_fn=reward_fn, callbacks=[*(callbacks or []), reporter],
-                                          reward_funcs=reward_funcs)
+        trainer = HarnessAsyncGRPOTrainer(str(model.path), services.session_factory, args, ready.tasks,
+                                          rollout_reward_fn=ready.reward_fn, reward_funcs=ready.reward_funcs,
+                                          callbacks=[*(callbacks or []), reporter])
         reporter.start()
         try:
             trainer.train()

@@ -9,8 +9,8 @@
   response         a JSON answer is captured and rewritten; 408/429/5xx are retried; a context overflow
                    becomes a clean stop answer; other upstream errors pass through
 
-A finished call is journaled before the agent receives the answer's last byte. With several engines
-(engines.py) each session is pinned to one; a call that finds its engine gone ends the rollout cleanly.
+A finished call is journaled before the agent receives the answer's last byte. With several engines (engines.py)
+each session is pinned to one; a call that finds its engine gone ends the rollout cleanly.
 """
 
 from __future__ import annotations
@@ -90,11 +90,8 @@ class CallInFlight:
                     out.append(self.translator.done())
                 continue
             chunk = None
-            if payload:
-                try:
-                    chunk = json.loads(payload)
-                except json.JSONDecodeError:
-                    chunk = None
+            with contextlib.suppress(json.JSONDecodeError):
+                chunk = json.loads(payload) if payload else None
             if isinstance(chunk, dict) and chunk.get("error") and not self.failed:  # the engine failed mid-stream
                 error = chunk["error"]
                 out.append(self._fail(f"the engine failed mid-answer: "
@@ -225,9 +222,8 @@ class CaptureAddon:
             if reverse:
                 flow.response = await self.control.handle(flow)
             return  # forward mode: traffic that is not a model call passes through untouched
-        if flow.request.method != "POST":
-            flow.response = json_response(405, dialect.error(405, f"{flow.request.method} {path}: a model call is "
-                                                                  "a POST"))
+        if (method := flow.request.method) != "POST":
+            flow.response = json_response(405, dialect.error(405, f"{method} {path}: a model call is a POST"))
             return
         session = self.store.sessions.get(session_key(flow.request) or "")
         if session is None:
@@ -264,13 +260,17 @@ class CaptureAddon:
         except (PolicyRefusal, TypeError, ValueError) as exc:
             flow.response = json_response(400, dialect.error(400, str(exc)))
             return
+        harness_session = flow.request.headers.get("x-session-id")
+        self._forward(flow, session, CallInFlight(self.store, session, dialect, asked, sent, requested, sent_params,
+                                                  stream, session.policy_version, harness_session))
+
+    def _forward(self, flow: http.HTTPFlow, session, call: CallInFlight) -> None:
+        """Count the call and send the translated request to the session's engine (streams through the relay)."""
         session.started_calls += 1
-        self.store.in_flight[sent["model"]] = self.store.in_flight.get(sent["model"], 0) + 1
+        self.store.in_flight[call.sent["model"]] = self.store.in_flight.get(call.sent["model"], 0) + 1
         self.pool.call_started(session.upstream)
-        flow.metadata["capture"] = CallInFlight(
-            self.store, session, dialect, asked, sent, requested, sent_params, stream, session.policy_version,
-            flow.request.headers.get("x-session-id"))
-        if stream:  # through the relay, so a stream the engine breaks still ends in an error event
+        flow.metadata["capture"] = call
+        if call.stream:  # through the relay, so a stream the engine breaks still ends in an error event
             flow.request.url = f"http://127.0.0.1:{self.relay.port}/v1/chat/completions"
             flow.request.headers[UPSTREAM_HEADER] = session.upstream
         else:
@@ -278,7 +278,7 @@ class CaptureAddon:
         for header in ("authorization", "x-api-key", "x-goog-api-key", "accept-encoding"):
             flow.request.headers.pop(header, None)
         flow.request.headers["content-type"] = "application/json"
-        flow.request.content = json.dumps(sent).encode()
+        flow.request.content = json.dumps(call.sent).encode()
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         capture: CallInFlight | None = flow.metadata.get("capture")
@@ -385,12 +385,11 @@ class CaptureAddon:
                                                          f"({answer.status_code}): {str(counted)[:300]}"))
         return json_response(200, {"input_tokens": counted["count"]})
 
-    def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool,
-                      why: str) -> http.Response:
+    def stop_response(self, dialect, asked: dict, session: Session, text: str, stream: bool, why: str) -> http.Response:
         """A clean stop in the agent's dialect: not a captured call, but the session notes why it stopped."""
         self.store.stop(session, why)
-        return http.Response.make(200, dialect.stop_answer(asked, session.model, text, stream), {
-            "content-type": "text/event-stream" if stream else "application/json"})
+        kind = "text/event-stream" if stream else "application/json"
+        return http.Response.make(200, dialect.stop_answer(asked, session.model, text, stream), {"content-type": kind})
 
     async def done(self) -> None:
         if self._watch is not None:

@@ -96,6 +96,16 @@ class ControlRoutes:
             except (ValueError, UnicodeDecodeError) as exc:
                 return _error(400, f"request body is not valid JSON: {exc}")
 
+        if parts[0] != "sessions" or len(parts) == 1:
+            return await self._global(flow, parts, body)
+        session = store.sessions.get(session_id or "")
+        if session is None:
+            return _error(404, f"no session {session_id!r}")
+        return self._session(flow, session, parts[2:], body)
+
+    async def _global(self, flow: http.HTTPFlow, parts: list[str], body: dict) -> http.Response:
+        """/engines, /policy_version, /sessions (admin only)."""
+        method, store = flow.request.method, self.addon.store
         if parts == ["engines"] and method == "GET":
             return json_response(200, {"engines": await self.addon.pool.metrics(self.addon.http)})
         if parts == ["policy_version"] and method == "POST":
@@ -118,10 +128,11 @@ class ControlRoutes:
             return await self._create(flow, body)
         if parts == ["sessions"] and method == "GET":
             return json_response(200, {"sessions": [s.summary() for s in store.sessions.values()]})
-        session = store.sessions.get(session_id or "")
-        if session is None:
-            return _error(404, f"no session {session_id!r}")
-        tail = parts[2:]
+        return _error(404, f"no route {method} {flow.request.path}")
+
+    def _session(self, flow: http.HTTPFlow, session, tail: list[str], body: dict) -> http.Response:
+        """/sessions/ID[/trace|/rollout|/graph|/policy_version]: its own key may GET, the admin key all."""
+        method, store = flow.request.method, self.addon.store
         if tail == [] and method == "GET":
             return json_response(200, session.summary())
         if tail == [] and method == "DELETE":
@@ -142,7 +153,7 @@ class ControlRoutes:
                 return _error(400, "'policy_version' must be an integer")
             store.set_policy_version(session, version)
             return json_response(200, session.summary())
-        return _error(404, f"no route {method} {request.path}")
+        return _error(404, f"no route {method} {flow.request.path}")
 
     async def _create(self, flow: http.HTTPFlow, body: dict) -> http.Response:
         checks = {"id": str, "upstream": str, "model": str, "policy": dict, "max_model_calls": int,

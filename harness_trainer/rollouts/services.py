@@ -36,23 +36,29 @@ class Services:
     supervisor: Supervisor | None = None
 
 
-def run_placement(cfg) -> Placement:
-    """Where this run's engines and trainer go on the host's GPUs (`cfg`: a RolloutConfig, with trainer_gpus
-    when it is a training run's: eval's engines take every GPU); PlacementError for a layout that cannot work."""
-    return plan_placement(visible_gpus(), cfg.engine_gpus, getattr(cfg, "trainer_gpus", None), cfg.engines,
-                          cfg.engine_memory_share, attached=bool(cfg.vllm_url),
-                          trainer=hasattr(cfg, "trainer_gpus"))
+def run_placement(cfg: RolloutConfig, trainer_gpus: str | None = None, *, training: bool = False) -> Placement:
+    """Where this run's engines and (`training`) the trainer go on the host's GPUs; eval's engines take every GPU.
+    PlacementError for a layout that cannot work."""
+    return plan_placement(visible_gpus(), cfg.engine_gpus, trainer_gpus, cfg.engines, cfg.engine_memory_share,
+                          attached=bool(cfg.vllm_url), trainer=training)
+
+
+def environment_session_factory(proxy: ProxyClient, environment, *, max_tool_calling_iterations: int | None,
+                                max_completion_length: int, agent_timeout_s: float | None = None) -> Callable:
+    """The session factory of a white-box `environment` class (rollouts/environments.py)."""
+    return partial(EnvironmentSessionFactory, proxy=proxy, environment_factory=environment,
+                   max_tool_calling_iterations=max_tool_calling_iterations,
+                   max_completion_length=max_completion_length, agent_timeout_s=agent_timeout_s)
 
 
 def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None,
                     upload_solution: bool = False) -> Callable:
-    """The factory the trainer (or eval) calls with its sampling policy: `cfg` is a RolloutConfig (or has its
-    fields) plus max_tool_calling_iterations and max_completion_length for a white-box `environment` class."""
+    """The factory the trainer (or eval) calls with its sampling policy: `cfg` is the run's RolloutConfig (the
+    train and eval configs add max_tool_calling_iterations and max_completion_length for a white-box class)."""
     if environment is not None:
-        return partial(EnvironmentSessionFactory, proxy=proxy, environment_factory=environment,
-                       max_tool_calling_iterations=cfg.max_tool_calling_iterations,
-                       max_completion_length=cfg.max_completion_length,
-                       agent_timeout_s=getattr(cfg, "agent_timeout", None))
+        return environment_session_factory(proxy, environment, agent_timeout_s=cfg.agent_timeout,
+                                           max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                                           max_completion_length=cfg.max_completion_length)
     return partial(LocalSessionFactory, proxy=proxy, harness=cfg.harness, sandbox=cfg.sandbox,
                    output_dir=output_dir or Path("runs/rollouts"), step_limit=cfg.agent_step_limit,
                    agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key, agent_command=cfg.agent_command,
@@ -63,17 +69,19 @@ def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path 
 def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, environment=None,
                  rollouts_dir: Path | None = None, oracle_tasks: list | None = None,
                  oracle_mistake_rate: float = 0.0, supervise: bool = False, lora_rank: int = 0,
-                 max_loras: int = 4) -> Iterator[Services]:
-    """Engine, [oracle,] proxy and the session factory, stopped on exit. `oracle_tasks`: answer model calls
-    with those tasks' solutions. `supervise`: a server of ours that dies is started again on its port (the
+                 max_loras: int = 4, placement: Placement | None = None,
+                 weight_sync_backend: str | None = None) -> Iterator[Services]:
+    """Engine, [oracle,] proxy and the session factory, stopped on exit. `placement`: a training run's (eval's
+    engines take every GPU); `weight_sync_backend`: how its weights reach the engines. `oracle_tasks`: answer
+    model calls with those tasks' solutions. `supervise`: a server of ours that dies is started again on its port (the
     trainer waits for it and puts back what it lost, serving/supervise.py)."""
     with contextlib.ExitStack() as stack:
         engines = []
         if cfg.vllm_url:  # several: the first answers for all (they serve the same model); the proxy uses each
             engine = VLLMServer.attach(cfg.vllm_url[0])
         else:  # on the placement's GPUs (serving/placement.py), else side by side on the CPU
-            placement = run_placement(cfg)
-            transfer = resolve_weight_sync(getattr(cfg, "weight_sync_backend", None), lora_rank > 0, placement)
+            placement = placement or run_placement(cfg)
+            transfer = resolve_weight_sync(weight_sync_backend, lora_rank > 0, placement)
             for i in range(cfg.engines):
                 engines.append(stack.enter_context(VLLMServer(EngineConfig(
                     model=str(model.path), served_model_name=model.name, port=cfg.engine_port + i if cfg.engine_port
@@ -113,4 +121,5 @@ def environment_sessions(environment_factory, args) -> tuple[Callable, ProxyServ
     out = Path(args.output_dir)
     engine = VLLMServer.attach(args.vllm_server_base_url)
     proxy = ProxyServer(engine.url, model=engine.model_name, journal=out / "journal", log_path=out / "proxy.log")
-    return session_factory(args, proxy.client, environment_factory), proxy
+    return environment_session_factory(proxy.client, environment_factory, max_completion_length=args.max_completion_length,
+                                       max_tool_calling_iterations=args.max_tool_calling_iterations), proxy
