@@ -83,7 +83,7 @@ def check(name: str, dtype: torch.dtype, device: torch.device, g: int, seed: int
     chains = [c for i, t in enumerate(traces) for c in chains_from_trace(t, i, seen)]
     advantages = [rng.choice([-1, 1]) * rng.uniform(0.2, 1.0) for _ in traces]  # every rollout has a gradient
     total = sum(sum(c.trained) for c in chains)
-    cfg = LossConfig(mode="ppo")
+    cfg = LossConfig(ratio_to="behaviour")
     with torch.no_grad():  # behaviour logprobs near the policy's (ratios 0.7..1.4: both sides of the clip)
         per_chain = [chain_logprobs(model, c).float() for c in chains]
         naive_logp = torch.cat([lp for lp, c in zip(per_chain, chains) if any(c.trained)])

@@ -97,7 +97,7 @@ def main() -> None:
             t0 = time.perf_counter()
             tree = pack(chains)
             logp = tree_logprobs(model, tree)
-            loss, _ = policy_loss(logp, tree.behaviour[tree.trained], torch.ones_like(logp), LossConfig(mode="ppo"),
+            loss, _ = policy_loss(logp, tree.behaviour[tree.trained], torch.ones_like(logp), LossConfig(ratio_to="behaviour"),
                                   total_tokens=total)
             loss.backward()
             tree_times.append(time.perf_counter() - t0)

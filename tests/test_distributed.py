@@ -33,7 +33,7 @@ STEP = textwrap.dedent("""
                              training_trace={"turns": turns}, policy_versions=[0])
                for i, (turns, reward) in enumerate(zip(traces, [1.0, 0.0, 0.5]))]
     trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: None, AsyncGRPOConfig(
-        output_dir=out + "/run", learning_rate=1e-2, kl_beta=0.1), [Task.__new__(Task)])
+        output_dir=out + "/run", learning_rate=1e-2, beta=0.1), [Task.__new__(Task)])
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     metrics = trainer._train_on(trainer.score([records]))
     metrics["moved"] = max(float((v - before[k]).abs().max()) for k, v in trainer.model.state_dict().items())

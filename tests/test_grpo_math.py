@@ -17,8 +17,10 @@ from harness_trainer.training.tree_forward import tree_logprobs
 def test_group_advantages_skip_none_and_flag_zero_variance():
     g = group_advantages([1.0, 0.0, None, 1.0])
     assert g.advantages == pytest.approx([1 / 3, -2 / 3, None, 1 / 3]) and not g.zero_variance and g.scorable == 3
-    s = group_advantages([1.0, 0.0], scale_std=True)
-    assert s.advantages == pytest.approx([1.0, -1.0], rel=1e-4)
+    s = group_advantages([1.0, 0.0], scale="group")  # TRL's: std with Bessel's correction (0.707), + 1e-4
+    assert s.advantages == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4)])
+    b = group_advantages([1.0, 0.0], scale="batch", batch_std=2.0)
+    assert b.advantages == pytest.approx([0.5 / 2.0001, -0.5 / 2.0001])
     z = group_advantages([0.5, 0.5, None])
     assert z.zero_variance and z.advantages == [0.0, 0.0, None]
     assert group_advantages([None, None]).advantages == [None, None]
@@ -28,24 +30,26 @@ def test_ppo_loss_by_hand():
     logp = torch.tensor([math.log(0.5), math.log(0.9)])
     behaviour = torch.tensor([math.log(0.25), math.log(0.9)])
     adv = torch.tensor([1.0, -2.0])
-    loss, stats = policy_loss(logp, behaviour, adv, LossConfig(mode="ppo"), total_tokens=4)
+    loss, stats = policy_loss(logp, behaviour, adv, LossConfig(ratio_to="behaviour"), total_tokens=4)
     # token 1: ratio 2 -> clipped to 1.2, min(2*1, 1.2*1) = 1.2; token 2: ratio 1 -> -2
     assert float(loss) == pytest.approx(-(1.2 - 2.0) / 4)
     assert stats["clip_high_frac"] == 0.5
 
 
-@pytest.mark.parametrize("is_mode, expected_weight", [("tis", 2.0), ("mis", 0.0)])
+@pytest.mark.parametrize("is_mode, expected_weight", [("token_truncate", 2.0), ("token_mask", 0.0)])
 def test_decoupled_loss_by_hand(is_mode, expected_weight):
     logp = torch.tensor([math.log(0.3), math.log(0.2)])
     proximal = torch.tensor([math.log(0.3), math.log(0.25)])
     behaviour = torch.tensor([math.log(0.1), math.log(0.25)])  # token 1 is stale: w = 3 > bound 2
     adv = torch.tensor([1.0, 1.0])
-    loss, stats = policy_loss(logp, behaviour, adv, LossConfig(is_mode=is_mode, is_bound=2.0, behaviour_clip=False),
+    loss, stats = policy_loss(logp, behaviour, adv, LossConfig(vllm_importance_sampling_mode=is_mode,
+                                                                vllm_importance_sampling_clip_max=2.0, behaviour_clip=False),
                               total_tokens=2, proximal=proximal)
     # token 1: ratio 1, weight 3 -> truncated 2 (tis) or masked 0 (mis); token 2: ratio 0.8, weight 1
     assert float(loss) == pytest.approx(-(expected_weight * 1.0 + 1.0 * 0.8) / 2)
-    with pytest.raises(ValueError, match="proximal"):
-        policy_loss(logp, behaviour, adv, LossConfig(), total_tokens=2)
+    # no proximal logprobs: TRL's old logprobs when it does not recompute them, the current ones detached
+    alone, _ = policy_loss(logp, behaviour, adv, LossConfig(), total_tokens=2)
+    assert float(alone) == pytest.approx(float(policy_loss(logp, behaviour, adv, LossConfig(), 2, proximal=logp)[0]))
 
 
 def test_trust_region_binds_on_a_stale_batch_by_hand():
@@ -73,7 +77,7 @@ def test_trust_region_binds_on_a_stale_batch_by_hand():
 
 def test_kl_to_behaviour_statistics_by_hand():
     logp, behaviour = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.25, 0.2]))
-    _, stats = policy_loss(logp, behaviour, torch.ones(2), LossConfig(mode="ppo"), total_tokens=2)
+    _, stats = policy_loss(logp, behaviour, torch.ones(2), LossConfig(ratio_to="behaviour"), total_tokens=2)
     # k1 = mean(b - p); k3 = mean(r - 1 - log r) with r = exp(p - b): token 1 r = 2, token 2 r = 1
     assert stats["behaviour_kl"] == pytest.approx(math.log(0.5) / 2)
     assert stats["behaviour_kl_k3"] == pytest.approx((1 - math.log(2)) / 2)
@@ -124,7 +128,7 @@ def test_every_sampled_token_trained_exactly_once():
 
 def _loss(logp, behaviour, rollouts, total):
     adv = ADVANTAGES[rollouts]
-    return policy_loss(logp, behaviour, adv, LossConfig(mode="ppo"), total_tokens=total)[0]
+    return policy_loss(logp, behaviour, adv, LossConfig(ratio_to="behaviour"), total_tokens=total)[0]
 
 
 def test_prefix_shared_packing_equals_naive_rows(model):
@@ -161,7 +165,7 @@ def test_prefix_shared_packing_equals_naive_rows(model):
 def test_k3_kl_to_reference_by_hand():
     logp = torch.tensor([math.log(0.5)])
     reference = torch.tensor([math.log(0.25)])
-    cfg = LossConfig(mode="ppo", kl_beta=0.1)
+    cfg = LossConfig(ratio_to="behaviour", beta=0.1)
     loss, stats = policy_loss(logp, logp.clone(), torch.tensor([0.0]), cfg, total_tokens=1, reference=reference)
     k3 = 0.5 - math.log(0.5) - 1  # exp(q - p) - (q - p) - 1 with q - p = log(1/2)
     assert stats["ref_kl"] == pytest.approx(k3) and float(loss) == pytest.approx(0.1 * k3)

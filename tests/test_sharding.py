@@ -32,7 +32,7 @@ RUN = textwrap.dedent("""
                               training_trace={"turns": turns}, policy_versions=[0])
                 for i, (turns, reward) in enumerate(zip(traces, [1.0, 0.0, 0.5]))]
     trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: None, AsyncGRPOConfig(
-        output_dir=out, learning_rate=1e-2, kl_beta=0.1, distributed=distributed, save_steps=1,
+        output_dir=out, learning_rate=1e-2, beta=0.1, distributed=distributed, save_steps=1,
         resume_from_checkpoint=out + "/checkpoint-1" if resume else None), [Task.__new__(Task)])
     if trainer.rank:
         trainer._follow()

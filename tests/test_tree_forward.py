@@ -38,7 +38,7 @@ def _chains(traces):
     return [c for i, t in enumerate(traces) for c in chains_from_trace(t, i, seen)]
 
 
-def _tree_step(model, chains, budget, checkpointing=False, cfg=LossConfig(mode="ppo")):
+def _tree_step(model, chains, budget, checkpointing=False, cfg=LossConfig(ratio_to="behaviour")):
     tree = pack(chains)
     total = int(tree.trained.sum())
     behaviour, adv = tree.behaviour[tree.trained], ADVANTAGES[tree.rollout[tree.trained]]
@@ -67,7 +67,7 @@ def _naive(model, chains):
         logp = chain_logprobs(model, chain)
         behaviour = torch.tensor([b for b, t in zip(chain.behaviour, chain.trained) if t])
         adv = ADVANTAGES[torch.full((len(logp),), chain.rollout)]
-        policy_loss(logp, behaviour, adv, LossConfig(mode="ppo"), total)[0].backward()
+        policy_loss(logp, behaviour, adv, LossConfig(ratio_to="behaviour"), total)[0].backward()
         logps.append(logp.detach())
     return torch.cat(logps), [p.grad.clone() for p in model.parameters()]
 
@@ -225,3 +225,39 @@ def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir
     assert metrics["trained_tokens"] > 0 and metrics["microbatches"] > 1
     assert metrics["tree_tokens"] < metrics["row_tokens"] and 10 * metrics["tree_tokens"] < per_turn
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(importance_sampling_level="sequence"), dict(vllm_importance_sampling_mode="sequence_mask",
+                                                      vllm_importance_sampling_clip_max=1e6),
+    dict(off_policy_mask_threshold=0.5), dict(top_entropy_quantile=0.5), dict(loss_type="grpo")],
+    ids=["gspo", "sequence_mask", "off_policy_mask", "top_entropy", "grpo"])
+def test_a_whole_batch_loss_trains_the_same_in_micro_batches(model, settings):
+    """Losses where a token's term needs its sequence's (or the step's) other logprobs: the step measures the
+    tree first and back-propagates d loss / d logp in micro-batches; the gradient is the one-pass loss's."""
+    from types import SimpleNamespace
+
+    from harness_trainer.training.grpo import Sequences
+    from harness_trainer.training.step import Batch, _backward
+
+    chains = _chains(TRACES)
+    tree = pack(chains)
+    lengths = [sum(sum(c.trained) for c in chains if c.rollout == r) for r in range(len(TRACES))]
+    batch = Batch(chains, ADVANTAGES.tolist(), lengths, sum(lengths), {})
+    cfg = LossConfig(**settings)
+    grads = {}
+    for budget in (None, _budget_for(tree, 3)):
+        policy = SimpleNamespace(model=model, device=torch.device("cpu"), loss_cfg=cfg, ref_model=None, peft=None,
+                                 args=SimpleNamespace(max_tokens_per_microbatch=budget, temperature=1.0, beta=0.0))
+        model.zero_grad()
+        _backward(policy, chains, batch)
+        grads[budget] = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()  # the reference: the whole tree in one forward, the loss on it, one backward
+    logp, entropy = tree_logprobs(model, tree, entropy=True)
+    rollout = tree.rollout[tree.trained]
+    policy_loss(logp, tree.behaviour[tree.trained], ADVANTAGES[rollout], cfg, sum(lengths), proximal=logp.detach(),
+                sequences=Sequences(rollout, torch.tensor(lengths, dtype=torch.float32)), entropy=entropy)[0].backward()
+    for got in grads.values():
+        for a, p in zip(got, model.parameters()):
+            assert torch.allclose(a, p.grad, atol=1e-6), float((a - p.grad).abs().max())
+    assert any(float(p.grad.abs().sum()) > 0 for p in model.parameters())

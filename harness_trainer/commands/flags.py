@@ -73,8 +73,9 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls, skip: tuple[st
             extra["action"] = "append"
         if f.metadata.get("required"):
             extra["required"] = True
+        shown = argparse.SUPPRESS if f.metadata.get("deprecated") else f.metadata.get("help", "") + default
         parser.add_argument(flag(name), dest=name, type=CONVERTERS.get(kind, str), default=argparse.SUPPRESS,
-                            help=f.metadata.get("help", "") + default, **extra)
+                            help=shown, **extra)
         if "_" in name:  # HfArgumentParser's other spelling; its own action, so messages name the flag once
             parser.add_argument(f"--{name}", dest=name, type=CONVERTERS.get(kind, str), default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS, **extra)

@@ -72,8 +72,22 @@ class RolloutRecord:
     calls: list[dict] = field(default_factory=list)  # every captured call, ids left out: the rollout graph
     reward: float | None = None  # what the trainer trained on: the sum of reward_terms (rewards.score_group)
     reward_terms: dict | None = None  # each reward function's value, by name; None until scored
+    truncated: str = ""  # why a limit (time, model calls, context, tokens) cut it; "" when it ended on its own
     environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
     #                                                                         its group is scored (not saved)
+
+
+def _truncation(session, stops: list[str], trace) -> str:
+    """Why a limit ended the rollout before the agent did (mask_truncated_completions leaves it out of the loss)."""
+    if getattr(session, "end_reason", ""):  # a white-box episode's limits
+        return session.end_reason
+    if session.timed_out:
+        return f"time limit ({session.timeout_s:.0f} s)"
+    if stops:  # the proxy's clean stops: the model-call budget, the context length
+        return "; ".join(stops)
+    last = trace.turns[-1] if trace and trace.turns else None
+    choices = ((last.response or {}).get("choices") or [{}]) if last is not None else [{}]
+    return "its last answer hit the token cap" if choices[0].get("finish_reason") == "length" else ""
 
 
 class CapturedSession:
@@ -296,6 +310,7 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
             reason = _exit_reason(exit_code)
         reason = reason or getattr(session, "end_reason", "")  # a white-box episode cut by its limits
+        truncated = _truncation(session, stops, trace)
         verified = session.verify(session.report.completion)
         calls = session.rollout_calls() if hasattr(session, "rollout_calls") else []
         if session.error or lost:
@@ -317,7 +332,7 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
             verifier_rewards=dict(verified.metrics.get("verifier_rewards") or {}),
-            calls=calls, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
+            calls=calls, truncated=truncated, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
             environment=getattr(session, "environment", None))
     finally:
         session.close()

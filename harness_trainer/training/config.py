@@ -8,6 +8,7 @@ besides the trainer (harness, dataset, model, sandbox, ports); every field here 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 from harness_trainer._exceptions import ConfigError
@@ -18,6 +19,11 @@ from harness_trainer.rollouts.config import option
 LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                 "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
                 "warmup_stable_decay", "greedy")
+# the loss's choices (training/grpo.py), written here so checking a config needs no torch
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SCALE_REWARDS = ("none", "group", "batch")
+IS_MODE_OF = {"tis": "token_truncate", "mis": "token_mask"}  # the deprecated is_mode's values
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POSITIVE = ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
             "groups_per_step", "lora_rank", "max_completion_length")
@@ -36,7 +42,8 @@ class AsyncGRPOConfig:
     temperature: float = option(1.0, "sampling temperature, also used in the loss")
     max_completion_tokens: int = option(256, "cap on tokens per model call")
     max_tool_calling_iterations: int | None = option(None, "white-box: tool rounds per episode (none: no bound)")
-    max_completion_length: int = option(1024, "white-box: tokens after the prompt per episode, all turns together")
+    max_completion_length: int = option(1024, "white-box: tokens after the prompt per episode, all turns together; "
+                                              "dr_grpo's constant")
     shuffle_dataset: bool = option(True, "each pass over the dataset in its own seeded order")
     # optimisation
     max_steps: int = option(20, "optimizer steps")
@@ -46,14 +53,47 @@ class AsyncGRPOConfig:
     lr_scheduler_type: str = option("constant", "learning-rate schedule: constant, constant_with_warmup, linear, "
                                                 "cosine, ... (transformers' names)")
     seed: int = option(0, "seed for the trainer's RNGs")
-    # the loss (training/grpo.py)
-    loss_mode: str = option("decoupled", "decoupled (behaviour / proximal / current policy) or ppo")
-    clip_low: float = option(0.2, "PPO clip range below 1")
-    clip_high: float = option(0.2, "PPO clip range above 1")
-    is_mode: str = option("tis", "importance weight to the behaviour policy: tis (truncated) or none")
-    is_bound: float = option(2.0, "truncation of the importance weight")
-    kl_beta: float = option(0.0, "weight of a KL term to the starting policy (0: none, no reference copy)")
-    scale_rewards: bool = option(False, "divide each group's advantages by its reward std")
+    # the loss (training/grpo.py), under TRL GRPOConfig's names and meanings; a "sequence" is one rollout (every
+    # trained token of all its turns), as TRL's multi-turn completion is one sequence with its tool outputs masked
+    loss_type: str = option("dapo", "grpo (mean of each sequence's token mean), dr_grpo (sum / (sequences x "
+                                    "max_completion_length)), dapo and bnpo (token mean over the step), cispo "
+                                    "(clipped IS weight x logprob), sapo (soft gate), luspo (sequence-level, "
+                                    "length-scaled)")
+    epsilon: float = option(0.2, "PPO clip range below 1")
+    epsilon_high: float | None = option(None, "clip range above 1 (default: epsilon; DAPO uses 0.28; with cispo "
+                                              "the IS weight's cap, e.g. 5.0)")
+    delta: float | None = option(None, "two-sided clipping: the ratio is also capped at delta where the advantage "
+                                       "is negative (INTELLECT-2; default none)")
+    beta: float = option(0.0, "weight of a k3 KL term to the starting policy (0: none, no reference copy)")
+    use_bias_correction_kl: bool = option(True, "multiply the KL term by the importance ratio (DeepSeek-V3.2)")
+    importance_sampling_level: str = option("token", "token (a ratio per token) or sequence (GSPO: exp of the "
+                                                     "mean log ratio over the rollout's trained tokens)")
+    # token_truncate at 2.0, not TRL's sequence_mask at 3.0: what every proof here was measured with (the loss
+    # table in docs/results.md compares the modes)
+    vllm_importance_sampling_correction: bool = option(True, "weight each token by the policy at the step's start "
+                                                             "over the one that sampled it")
+    vllm_importance_sampling_mode: str = option("token_truncate", "token_truncate, token_mask, sequence_truncate "
+                                                                  "or sequence_mask (a sequence: the rollout)")
+    vllm_importance_sampling_clip_min: float | None = option(None, "lower bound of the IS weight (default none)")
+    vllm_importance_sampling_clip_max: float | None = option(2.0, "upper bound of the IS weight (none: unbounded)")
+    off_policy_mask_threshold: float | None = option(None, "drop a rollout with a negative advantage whose mean "
+                                                           "KL(sampler || policy) is past this (DeepSeek-V3.2; "
+                                                           "e.g. 0.5)")
+    scale_rewards: str = option("none", "none (r - mean: Dr. GRPO's, no difficulty bias), group (divided by the "
+                                        "group's std, TRL's default) or batch (by the step's std)")
+    mask_truncated_completions: bool = option(False, "leave out of the loss a rollout its step, token or time "
+                                                     "limit stopped (it still counts in its group's mean)")
+    top_entropy_quantile: float = option(1.0, "train only the step's top quantile of tokens by entropy (0.2 in "
+                                              "'Beyond the 80/20 rule'; 1: all)")
+    sapo_temperature_pos: float = option(1.0, "sapo: the gate's temperature where the advantage is positive")
+    sapo_temperature_neg: float = option(1.05, "sapo: the gate's temperature elsewhere")
+    # deprecated spellings (harness-trainer's before TRL's names): they still work, with one line naming the new
+    loss_mode: str | None = option(None, "", deprecated="vllm_importance_sampling_correction")
+    clip_low: float | None = option(None, "", deprecated="epsilon")
+    clip_high: float | None = option(None, "", deprecated="epsilon_high")
+    is_mode: str | None = option(None, "", deprecated="vllm_importance_sampling_mode")
+    is_bound: float | None = option(None, "", deprecated="vllm_importance_sampling_clip_max")
+    kl_beta: float | None = option(None, "", deprecated="beta")
     # the trust region (training/trust_region.py)
     behaviour_clip: bool = option(True, "trust region to the behaviour policy: no gradient for a token whose ratio "
                                         "to the policy that sampled it is past the clip range")
@@ -111,9 +151,41 @@ class AsyncGRPOConfig:
     def __post_init__(self):
         if hasattr(super(), "__post_init__"):  # a run's config inherits the rollout settings' too
             super().__post_init__()
+        self._undeprecate()
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bools
         if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
         self.check()
+
+    def _undeprecate(self) -> None:
+        """Old spellings -> TRL's names, one line each; then the old field is cleared (only loss_mode ppo stays: it
+        has no TRL name, LossConfig reads it)."""
+        for f in dataclasses.fields(self):
+            new, value = f.metadata.get("deprecated"), getattr(self, f.name)
+            if not new or value is None:
+                continue
+            hint = f"use {new}"
+            if f.name == "loss_mode":
+                if value not in ("decoupled", "ppo"):
+                    raise ConfigError(f"--loss-mode {value}: choose decoupled or ppo (deprecated: see --loss-type)")
+                hint = ("decoupled is the default (the IS weight to the sampler, vllm_importance_sampling_correction)"
+                        if value == "decoupled" else "ppo (the ratio to the sampler itself) has the same gradient as "
+                        "the default with --vllm-importance-sampling-clip-max none")
+                self.loss_mode = None if value == "decoupled" else value
+            elif f.name == "is_mode":
+                if value not in ("tis", "mis", "none"):
+                    raise ConfigError(f"--is-mode {value}: choose tis, mis or none (deprecated: see "
+                                      "--vllm-importance-sampling-mode)")
+                self.vllm_importance_sampling_correction = value != "none"
+                self.vllm_importance_sampling_mode = IS_MODE_OF.get(value, self.vllm_importance_sampling_mode)
+                hint = "use --vllm-importance-sampling-mode token_truncate|token_mask (none: " \
+                       "--vllm-importance-sampling-correction false)"
+                self.is_mode = None
+            else:
+                setattr(self, new, value)
+                setattr(self, f.name, None)
+            print(f"harness-train: {f.name} is deprecated and will be removed: {hint}", file=sys.stderr)
 
     def check(self) -> None:
         """Every check of these settings, here, so the Python API and the CLI refuse the same values with the
@@ -137,6 +209,15 @@ class AsyncGRPOConfig:
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
                               f"got {self.max_tokens_per_microbatch!r}")
+        for name, allowed in (("loss_type", LOSS_TYPES), ("vllm_importance_sampling_mode", IS_MODES),
+                              ("scale_rewards", SCALE_REWARDS), ("importance_sampling_level", ("token", "sequence"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: choose one of {', '.join(allowed)}")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ConfigError("--loss-type luspo scales sequence-level ratios: add --importance-sampling-level "
+                              "sequence")
         if self.use_peft and not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
 

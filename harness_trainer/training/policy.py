@@ -51,7 +51,7 @@ class Policy:
         # A frozen copy of the starting policy, only when the loss has a KL term to it (with LoRA: the same
         # model with its adapter disabled).
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) \
-            if args.kl_beta and not self.peft else None
+            if args.beta and not self.peft else None
         self.dtype = next(self.model.parameters()).dtype
         if args.distributed == "fsdp" and world_size > 1:  # sharding.py
             mixed = device.type == "cuda" and args.dtype == "auto"
@@ -60,8 +60,7 @@ class Policy:
                 self.ref_model = shard_model(self.ref_model, mixed_precision=mixed)
             self.dtype = torch.bfloat16 if mixed else self.dtype  # what the forward computes in
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapter's
-        self.loss_cfg = LossConfig(args.loss_mode, args.clip_low, args.clip_high, args.is_mode, args.is_bound,
-                                   args.kl_beta, args.behaviour_clip)
+        self.loss_cfg = LossConfig.from_args(args)
         self.optimizer = torch.optim.AdamW(self.params, lr=args.learning_rate)
         self.lr_at = _schedule(self.optimizer, args)
 

@@ -24,7 +24,7 @@ import torch
 from harness_trainer.rollouts.session import RolloutRecord
 from harness_trainer.traces.files import TrainingTrace
 from harness_trainer.training.distributed import all_reduce, all_reduce_gradients
-from harness_trainer.training.grpo import group_advantages, policy_loss
+from harness_trainer.training.grpo import Sequences, group_advantages, policy_loss, sample_std
 from harness_trainer.training.packing import chains_from_trace, pack
 from harness_trainer.training.sharding import gathered, is_sharded
 from harness_trainer.training.tree_forward import plan_ranges, tree_backward, tree_logprobs
@@ -33,26 +33,30 @@ from harness_trainer.training.trust_region import bound_step, room_in
 
 @dataclass
 class Batch:
-    """A step's groups as training input: every rollout's chains (prefix shared), one advantage per rollout, the
+    """A step's groups as training input: every rollout's chains (prefix shared), one advantage per rollout, each
+    rollout's trained tokens (a "sequence" of the loss; 0 for one left out by mask_truncated_completions), the
     global count of trained tokens (the loss's denominator on every rank) and the step's reward metrics."""
     chains: list
     advantages: list[float]
+    lengths: list[int]
     total: int
     metrics: dict
 
 
-def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: bool) -> Batch:
+def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "none",
+                      mask_truncated: bool = False) -> Batch:
     """Scored groups (rollouts/pool.py scores them) -> advantages per group -> chains; the reward metrics."""
     seen: set = set()
-    chains, advantages, rewards_all, verifier, zero_groups, lengths = [], [], [], [], 0, []
+    chains, advantages, rewards_all, verifier, zero_groups, lengths, masked = [], [], [], [], 0, [], 0
     terms: dict[str, list[float]] = {}
-    for records in groups:
-        rewards = [r.reward if r.status != "unscorable" else None for r in records]
+    scored = [[r.reward if r.status != "unscorable" else None for r in records] for records in groups]
+    batch_std = sample_std([r for rewards in scored for r in rewards if r is not None])
+    for records, rewards in zip(groups, scored):
         for record in records:
             for name, value in (record.reward_terms or {}).items():
                 if value is not None:
                     terms.setdefault(name, []).append(value)
-        group = group_advantages(rewards, scale_std=scale_rewards)
+        group = group_advantages(rewards, scale_rewards, batch_std)
         rewards_all += [r for r in rewards if r is not None]
         verifier += [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
         zero_groups += group.zero_variance
@@ -63,24 +67,32 @@ def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: bool) ->
             lengths.append(sum(sum(t.loss_mask[len(t.prompt_token_ids):]) for t in trace.turns))
             if adv is None or group.zero_variance:
                 continue
+            if mask_truncated and record.truncated:  # in its group's mean, not in the loss (a sequence of 0)
+                masked += 1
+                advantages.append(adv)
+                continue
             chains += chains_from_trace(trace, len(advantages), seen)
             advantages.append(adv)
+    trained = [0] * len(advantages)
+    for chain in chains:
+        trained[chain.rollout] += sum(chain.trained)
     metrics = {"groups": len(groups), "rollouts": sum(map(len, groups)),
                "failed": sum(r.status == "unscorable" for g in groups for r in g),
                "reward_mean": _mean(rewards_all), "reward_max": max(rewards_all, default=None),
                "verifier_reward_mean": _mean(verifier), "scorable": len(rewards_all),
                "zero_variance": zero_groups == len(groups), "zero_variance_groups": zero_groups,
+               "truncated": sum(bool(r.truncated) for g in groups for r in g), "truncated_masked": masked,
                "completion_tokens_mean": _mean(lengths)}
     for name, values in terms.items():  # each reward function on its own curve
         metrics[f"rewards/{name}/mean"] = _mean(values)
         metrics[f"rewards/{name}/std"] = statistics.pstdev(values)
-    return Batch(chains, advantages, sum(sum(c.trained) for c in chains), metrics)
+    return Batch(chains, advantages, trained, sum(trained), metrics)
 
 
 def train_on(policy, groups: list[list[RolloutRecord]], step: int) -> dict:
     """One optimizer step on finished, scored groups, each with its own advantages; the loss is the token
     mean over every trained token of the step. Every rank runs it on the same groups."""
-    batch = batch_from_groups(groups, policy.args.scale_rewards)
+    batch = batch_from_groups(groups, policy.args.scale_rewards, policy.args.mask_truncated_completions)
     metrics = batch.metrics | {"lr": policy.lr_at(step)}
     if batch.total == 0:
         return metrics | {"trained_tokens": 0}
@@ -88,7 +100,7 @@ def train_on(policy, groups: list[list[RolloutRecord]], step: int) -> dict:
     chains = [c for c in batch.chains if c.rollout % policy.world_size == policy.rank]
     policy.model.train()
     policy.optimizer.zero_grad()
-    loss, stats, tree, logp = _backward(policy, chains, batch.advantages, batch.total)
+    loss, stats, tree, logp = _backward(policy, chains, batch)
     if is_sharded(policy.model):
         loss = all_reduce(loss.detach(), policy.world_size)  # the gradients were reduce-scattered
     elif policy.world_size > 1:
@@ -110,34 +122,56 @@ def train_on(policy, groups: list[list[RolloutRecord]], step: int) -> dict:
                               "trained_tokens": batch.total}
 
 
-def _backward(policy, chains: list, advantages: list[float], total: int):
+def _backward(policy, chains: list, batch: Batch):
     """This rank's chains packed into one prefix tree, its loss's gradients accumulated in micro-batches;
     (loss, stats, tree, logprobs). A rank with nothing to train still joins FSDP's collectives."""
     loss, stats, tree, logp = torch.zeros((), device=policy.device), {}, None, None
     packed = pack(chains) if chains else None
     with gathered(policy.model, train=True):  # FSDP: the whole model here, gradients reduced on the way out
         if packed is not None and packed.trained.any():
-            tree, budget, temperature = packed, policy.args.max_tokens_per_microbatch, policy.args.temperature
-            adv = torch.tensor(advantages)[tree.rollout[tree.trained]].to(policy.device)
+            tree, budget, temperature, cfg = packed, policy.args.max_tokens_per_microbatch, policy.args.temperature, \
+                policy.loss_cfg
+            rollout = tree.rollout[tree.trained]
+            adv = torch.tensor(batch.advantages)[rollout].to(policy.device)
             behaviour = tree.behaviour[tree.trained].to(policy.device)
-            reference = _reference_logprobs(policy, tree) if policy.args.kl_beta else None
+            seqs = Sequences(rollout.to(policy.device), torch.tensor(batch.lengths, dtype=torch.float32,
+                                                                     device=policy.device))
+            reference = _reference_logprobs(policy, tree) if policy.args.beta else None
 
-            def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-                # One update per batch: the proximal policy is the model as it is now, so its logprobs are
-                # this forward's own, detached (no separate forward for them).
-                return policy_loss(logp_part, behaviour[index], adv[index], policy.loss_cfg, total,
-                                   proximal=logp_part.detach(),
-                                   reference=None if reference is None else reference[index])[0]
+            def part(index: torch.Tensor) -> dict:
+                return dict(sequences=seqs.subset(index), reference=None if reference is None else reference[index])
+
+            if cfg.whole_batch:  # a token's loss needs the whole batch's logprobs: measure them first
+                loss_fn = _gradient_at(policy, tree, cfg, behaviour, adv, batch.total, seqs, reference)
+            else:  # one update per batch: the proximal policy is the model as it is now (the forward's own, detached)
+                def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                    return policy_loss(logp_part, behaviour[index], adv[index], cfg, batch.total,
+                                       proximal=logp_part.detach(), **part(index))[0]
 
             logp, entropy = tree_backward(policy.model, tree, loss_fn, temperature, budget)
-            loss, stats = policy_loss(logp, behaviour, adv, policy.loss_cfg, total, proximal=logp,
-                                      reference=reference)
+            loss, stats = policy_loss(logp, behaviour, adv, cfg, batch.total, proximal=logp, sequences=seqs,
+                                      reference=reference, entropy=entropy)
             stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
                       "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
-        elif policy.args.kl_beta:
+        elif policy.args.beta:
             with gathered(policy.ref_model):  # its all-gather is collective: a rank with nothing takes part
                 pass
     return loss, stats, tree, logp
+
+
+def _gradient_at(policy, tree, cfg, behaviour, adv, total: int, seqs: Sequences, reference):
+    """For a loss that is not a sum of per-token terms (sequence ratios and IS weights, the off-policy mask, the
+    entropy quantile): the whole tree's logprobs and entropies first (no gradient, as TRL computes its old
+    logprobs), then d loss / d logp_t there. The backward of sum_t g_t logp_t in any micro-batches is then the
+    loss's own gradient (the chain rule: the loss depends on the weights only through the logprobs)."""
+    with torch.no_grad():
+        now, entropy = tree_logprobs(policy.model, tree, policy.args.temperature, entropy=True,
+                                     max_tokens=policy.args.max_tokens_per_microbatch)
+    at = now.detach().clone().requires_grad_()
+    loss, _ = policy_loss(at, behaviour, adv, cfg, total, proximal=now.detach(), sequences=seqs,
+                          reference=reference, entropy=entropy)
+    (g,) = torch.autograd.grad(loss, at)
+    return lambda logp_part, index: (g[index] * logp_part).sum()
 
 
 def _reference_logprobs(policy, tree) -> torch.Tensor:
