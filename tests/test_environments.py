@@ -263,6 +263,41 @@ def test_two_training_steps_log_each_reward_term(fresh_engine, tiny_model_dir, t
     assert (tmp_path / "run" / "traces.jsonl").exists() and trainer.own_proxy.managed.process is None  # stopped
 
 
+def reward_spread(environments, flat, **kwargs):
+    """All equal on a `flat` row (no gradient), else 0, 1, 0, ... (a gradient whatever the model did)."""
+    return [0.5] * len(environments) if flat[0] else [float(i % 2) for i in range(len(environments))]
+
+
+def test_dynamic_sampling_refills_each_step_with_groups_that_train(fresh_engine, tiny_model_dir, tmp_path):
+    """Every step trains on groups_per_step groups with a gradient, the flat ones collected, written and counted
+    instead; when the cap runs out the step trains on what it has and says why."""
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    rows = [json.loads(line) for line in (EXAMPLES / "wordle.jsonl").read_text().splitlines()][:4]
+
+    def train(rows, out, **settings):
+        return HarnessAsyncGRPOTrainer(model=str(tiny_model_dir), train_dataset=rows, environment_factory=wordle.Wordle,
+                                       reward_funcs=[reward_spread], args=AsyncGRPOConfig(
+            output_dir=str(out), vllm_server_base_url=fresh_engine.url, num_generations=2, max_concurrent_rollouts=2,
+            max_completion_tokens=8, max_completion_length=16, max_tool_calling_iterations=1, save_steps=10,
+            dynamic_sampling=True, **settings)).train()
+
+    mixed = [row | {"flat": i < 3} for i, row in enumerate(rows)]  # three of four tasks give no gradient
+    history = train(mixed, tmp_path / "mixed", max_steps=3, groups_per_step=2, dynamic_sampling_max_tries=8)
+    assert all(h["groups"] == 2 and h["zero_variance_groups"] == 0 and "warnings" not in h for h in history), history
+    skipped = sum(h.get("dynamic_skipped", 0) for h in history)
+    assert skipped >= 3 and sum(h["groups_collected"] for h in history) == 6 + skipped + sum(
+        h["dropped_stale"] for h in history)
+    written = (tmp_path / "mixed" / "rollouts.jsonl").read_text().splitlines()
+    assert len(written) >= 2 * sum(h["groups_collected"] for h in history)  # skipped groups are written too
+
+    flat = [row | {"flat": True} for row in rows]
+    (capped,) = train(flat, tmp_path / "flat", max_steps=1, dynamic_sampling_max_tries=2)
+    assert capped["groups_collected"] == 2 and capped["dynamic_skipped"] + capped["dropped_stale"] == 2
+    assert "dynamic sampling: 0 of 1 groups could train after 2 collected" in capped["warnings"][0]
+    assert capped.get("trained_tokens", 0) == 0  # nothing to train on: no step taken, the step still logged
+
+
 def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path, capsys):
     """train, view and eval of a white-box environment, driven through the CLI's main in this process (the console
     script itself is exercised in tests/test_cli.py and test_train_cli.py)."""

@@ -26,7 +26,7 @@ SCALE_REWARDS = ("none", "group", "batch")
 IS_MODE_OF = {"tis": "token_truncate", "mis": "token_mask"}  # the deprecated is_mode's values
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POSITIVE = ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
-            "groups_per_step", "lora_rank", "max_completion_length")
+            "groups_per_step", "lora_rank", "max_completion_length", "dynamic_sampling_max_tries")
 
 
 @dataclass
@@ -39,6 +39,11 @@ class AsyncGRPOConfig:
     max_concurrent_rollouts: int = option(8, "rollouts running at once")
     max_staleness: int = option(2, "policy versions a rollout may lag the trainer")
     groups_per_step: int = option(1, "finished groups (tasks) per optimizer step, each with its own advantages")
+    dynamic_sampling: bool = option(False, "DAPO's dynamic sampling: a group whose rewards are all equal (no "
+                                           "gradient) or too stale is replaced by another until the step has "
+                                           "groups_per_step groups that train")
+    dynamic_sampling_max_tries: int = option(4, "dynamic sampling's cap: a step collects at most groups_per_step "
+                                                "x this many groups, then trains on what it has and says so")
     temperature: float = option(1.0, "sampling temperature, also used in the loss")
     max_completion_tokens: int = option(256, "cap on tokens per model call")
     max_tool_calling_iterations: int | None = option(None, "white-box: tool rounds per episode (none: no bound)")

@@ -57,6 +57,7 @@ from harness_trainer.serving.weight_sync import WeightSync
 from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint
 from harness_trainer.training.config import AsyncGRPOConfig
 from harness_trainer.training.distributed import FAILED, broadcast, init_distributed, trainer_device, trainer_placement
+from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
 from harness_trainer.training.policy_sync import PolicySync, TrainingStopped, check_backend
 from harness_trainer.training.trust_region import StabilityMonitor
@@ -218,7 +219,7 @@ class HarnessAsyncGRPOTrainer:
         metrics.update(self.sync.engine_metrics())  # several engines: each one's sessions, calls, cache hits
         if self.sync.recovered:  # what was put back since the last step (a restarted engine or proxy)
             metrics["recovered"], self.sync.recovered = self.sync.recovered, []
-        if warnings := self.monitor.check(metrics):
+        if warnings := metrics.get("warnings", []) + self.monitor.check(metrics):
             metrics["warnings"] = warnings
             for warning in warnings:
                 log.warning("step %d: %s", self.step, warning)
@@ -278,15 +279,18 @@ class HarnessAsyncGRPOTrainer:
         return self.history
 
     def _collect_step(self, pool: RolloutPool, groups_in_flight: int) -> tuple[list, list[str], dict]:
-        """A step's groups_per_step groups, oldest first, the pool kept full; a group with a rollout more than
-        max_staleness versions old (or cancelled) is dropped and counted."""
+        """A step's groups_per_step groups, oldest first, the pool kept full. A group with a rollout more than
+        max_staleness versions old (or cancelled) is dropped and counted; with dynamic_sampling so is a group
+        whose rewards are all equal, and each dropped group is replaced by the next, up to the cap."""
         args = self.args
         groups, tasks, metrics = [], [], {"dropped_stale": 0, "cancelled": 0, "staleness": 0}
-        for _ in range(args.groups_per_step):
+        tries = args.groups_per_step * (args.dynamic_sampling_max_tries if args.dynamic_sampling else 1)
+        looked = 0
+        while len(groups) < args.groups_per_step and looked < tries:
             while len(pool.pending) < groups_in_flight:
                 task = self._next_task()
                 pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}", self.version)
-            group = pool.next()
+            group, looked = pool.next(), looked + 1
             versions = [v for r in group.records for v in r.policy_versions]
             staleness = self.version - min(versions) if versions else self.version - group.launched
             metrics["staleness"] = max(metrics["staleness"], staleness)
@@ -294,9 +298,18 @@ class HarnessAsyncGRPOTrainer:
             if staleness > args.max_staleness or cancelled:
                 metrics["dropped_stale"] += 1
                 metrics["cancelled"] += cancelled
+            elif args.dynamic_sampling and group_advantages(
+                    [r.reward if r.status != "unscorable" else None for r in group.records]).zero_variance:
+                metrics["dynamic_skipped"] = metrics.get("dynamic_skipped", 0) + 1
             else:
                 groups.append(group.records)
                 tasks.append(group.task.name)
+        if args.dynamic_sampling:
+            metrics["groups_collected"] = looked
+            if len(groups) < args.groups_per_step:
+                metrics["warnings"] = [f"dynamic sampling: {len(groups)} of {args.groups_per_step} groups could "
+                                       f"train after {looked} collected (the cap, dynamic_sampling_max_tries "
+                                       f"{args.dynamic_sampling_max_tries}); the step trains on those"]
         return groups, tasks, metrics
 
     def _hook(self, name: str):
