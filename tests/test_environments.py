@@ -298,6 +298,41 @@ def test_dynamic_sampling_refills_each_step_with_groups_that_train(fresh_engine,
     assert capped.get("trained_tokens", 0) == 0  # nothing to train on: no step taken, the step still logged
 
 
+def test_distillation_scores_every_trained_token_by_its_exact_ids(fresh_engine, tiny_model_dir, tmp_path):
+    """The teacher is the engine serving the student's own starting weights: before the first sync it must
+    give every trained token the logprob the engine sampled it with, and the step's reverse KL is ~0. A token
+    scored out of place (a shifted position, another context) would be far off."""
+    from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+
+    rows = [json.loads(line) for line in (EXAMPLES / "wordle.jsonl").read_text().splitlines()][:2]
+    (step,) = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir), train_dataset=rows, environment_factory=wordle.Wordle,
+        reward_funcs=[wordle.reward_win], args=AsyncGRPOConfig(
+            output_dir=str(tmp_path / "run"), vllm_server_base_url=fresh_engine.url, teacher_url=fresh_engine.url,
+            num_generations=2, max_concurrent_rollouts=2, max_steps=1, max_completion_tokens=16,
+            max_completion_length=32, save_steps=10)).train()
+    assert step["distill_scored_frac"] == 1.0 and abs(step["distill_kl"]) < 5e-3, step
+    assert step["teacher_tokens"] > 0 and step["trained_tokens"] > 0
+    gaps = []
+    for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines():
+        for turn in json.loads(line)["turns"]:
+            scored = turn["metadata"]["teacher_logps"]
+            assert len(scored) == len(turn["completion_token_ids"]) and None not in scored
+            gaps += [abs(t - b) for t, b in zip(scored, turn["per_token_logps"])]
+    assert gaps and max(gaps) < 1e-2, max(gaps)
+
+
+def test_a_teacher_of_another_tokenizer_is_refused(tiny_model_dir):
+    from harness_trainer._exceptions import ModelError
+    from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
+    from harness_trainer.serving.teacher import check_same_tokenizer
+
+    llama = ensure_tiny_model(TinyModelSpec(arch="llama"))
+    with pytest.raises(ModelError, match="does not share the student's tokenizer.*same tokenizer"):
+        check_same_tokenizer(str(tiny_model_dir), str(llama))
+    check_same_tokenizer(str(tiny_model_dir), str(tiny_model_dir))  # itself: no error
+
+
 def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path, capsys):
     """train, view and eval of a white-box environment, driven through the CLI's main in this process (the console
     script itself is exercised in tests/test_cli.py and test_train_cli.py)."""

@@ -169,3 +169,26 @@ def test_k3_kl_to_reference_by_hand():
     loss, stats = policy_loss(logp, logp.clone(), torch.tensor([0.0]), cfg, total_tokens=1, reference=reference)
     k3 = 0.5 - math.log(0.5) - 1  # exp(q - p) - (q - p) - 1 with q - p = log(1/2)
     assert stats["ref_kl"] == pytest.approx(k3) and float(loss) == pytest.approx(0.1 * k3)
+
+
+def test_distillation_advantage_by_hand():
+    """A_t = (1 - w) A + w (log p_teacher - log p_student): the teacher's better tokens pushed up, its worse down;
+    a token the teacher did not score (NaN) keeps the group advantage's share alone."""
+    logp = torch.log(torch.tensor([0.5, 0.5, 0.5])).requires_grad_()
+    teacher = torch.log(torch.tensor([0.8, 0.2, float("nan")]))
+    cfg = LossConfig(distillation_weight=0.75, behaviour_clip=False)
+    loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1.0, 1.0, 1.0]), cfg, total_tokens=3, teacher=teacher)
+    loss.backward()
+    advantages = [0.25 + 0.75 * math.log(0.8 / 0.5), 0.25 + 0.75 * math.log(0.2 / 0.5), 0.25]
+    assert logp.grad.tolist() == pytest.approx([-a / 3 for a in advantages])
+    assert stats["distill_kl"] == pytest.approx((math.log(0.5 / 0.8) + math.log(0.5 / 0.2)) / 2)
+    assert stats["distill_scored_frac"] == pytest.approx(2 / 3)
+
+
+def test_teacher_logprobs_reach_the_packed_tree():
+    trace = TrainingTrace.model_validate({"turns": [
+        A1 | {"metadata": {"teacher_logps": [-0.1, -0.2, -0.3]}},
+        A2 | {"metadata": {"policy_version": 1, "teacher_logps": [-0.4, None]}}]})
+    tree = pack(chains_from_trace(trace, 0, set()))
+    got = tree.teacher[tree.trained].tolist()
+    assert got[:4] == pytest.approx([-0.1, -0.2, -0.3, -0.4]) and math.isnan(got[4])

@@ -11,6 +11,7 @@ in-flight sandboxes), so nothing outlives the command.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,9 +43,14 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
     reward: str | None = option(None, "per-rollout reward: verifier (the default without --reward-funcs), "
                                       "verifier+tools, module:function or an entry-point name")
     report_to: str = option("trackio", "trackio (local), wandb or none")
+    teacher_model: str | None = option(None, "on-policy distillation: the teacher's model folder or Hub id, served "
+                                             "by an engine of its own (or attach one: --teacher-url)")
 
     def __post_init__(self):
         super().__post_init__()  # the trainer's and the rollouts' checks
+        if self.teacher_model and self.teacher_url:
+            raise ConfigError("give --teacher-model (an engine is started for it) or --teacher-url (one you run), "
+                              "not both")
         if self.report_to not in ("trackio", "wandb", "none"):
             raise ConfigError(f"--report-to {self.report_to}: choose trackio, wandb or none")
         if self.environment and not (self.reward_funcs or self.reward):
@@ -198,6 +204,7 @@ class Prepared:
     reward_funcs: object
     resume: str | None
     placement: object  # serving/placement.py Placement
+    teacher: object = None  # --teacher-model's ModelRef
 
 
 def prepare(cfg: TrainRunConfig) -> Prepared:
@@ -231,7 +238,30 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
         placement = run_placement(cfg, cfg.trainer_gpus, training=True)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
-    return Prepared(environment, tasks, model, reward_fn, reward_funcs, resume, placement)
+    teacher = None
+    if cfg.teacher_model:  # its tokenizer checked against the student's before any engine starts
+        from harness_trainer.serving.teacher import check_same_tokenizer
+
+        if placement.gpu:
+            raise ConfigError("--teacher-model launches on the CPU only: on GPUs serve the teacher where it fits "
+                              "(`harness-train serve --model TEACHER` on a GPU the placement leaves free) and pass "
+                              "--teacher-url")
+        teacher = model_or_default(cfg.teacher_model)
+        check_same_tokenizer(str(model.path), str(teacher.path))
+    return Prepared(environment, tasks, model, reward_fn, reward_funcs, resume, placement, teacher)
+
+
+@contextlib.contextmanager
+def teacher_engine(cfg: TrainRunConfig, teacher, out: Path):
+    """The teacher's URL for the run: --teacher-url, or an engine launched for --teacher-model (stopped on exit)."""
+    if teacher is None:
+        yield cfg.teacher_url
+        return
+    from harness_trainer.serving.engine import EngineConfig, VLLMServer
+
+    with VLLMServer(EngineConfig(model=str(teacher.path), served_model_name=teacher.name,
+                                 log_path=out / "teacher.log", max_model_len=cfg.max_model_len)) as engine:
+        yield engine.url
 
 
 def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
@@ -261,9 +291,11 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     with run_services(cfg, out, model=model, environment=environment and environment[0],
                       rollouts_dir=out / "rollouts", supervise=True,
                       lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2,
-                      placement=placement, weight_sync_backend=cfg.weight_sync_backend) as services:
+                      placement=placement, weight_sync_backend=cfg.weight_sync_backend) as services, \
+            teacher_engine(cfg, ready.teacher, out) as teacher_url:
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
-        args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume)
+        args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume,
+                                   teacher_url=teacher_url, teacher_model=None)
         trainer = HarnessAsyncGRPOTrainer(str(model.path), services.session_factory, args, ready.tasks,
                                           rollout_reward_fn=ready.reward_fn, reward_funcs=ready.reward_funcs,
                                           callbacks=[*(callbacks or []), reporter])

@@ -92,6 +92,12 @@ class AsyncGRPOConfig:
                                               "'Beyond the 80/20 rule'; 1: all)")
     sapo_temperature_pos: float = option(1.0, "sapo: the gate's temperature where the advantage is positive")
     sapo_temperature_neg: float = option(1.05, "sapo: the gate's temperature elsewhere")
+    # on-policy distillation (training/distill.py)
+    teacher_url: str | None = option(None, "a vLLM engine serving the teacher (the model's tokenizer): it scores "
+                                           "every trained token of every captured turn; the loss takes the "
+                                           "reverse KL to it")
+    distillation_weight: float = option(1.0, "with a teacher: the reverse-KL advantage's share, the group "
+                                             "advantage's the rest (1: distillation alone, rewards only logged)")
     # deprecated spellings (harness-trainer's before TRL's names): they still work, with one line naming the new
     loss_mode: str | None = option(None, "", deprecated="vllm_importance_sampling_correction")
     clip_low: float | None = option(None, "", deprecated="epsilon")
@@ -220,6 +226,11 @@ class AsyncGRPOConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: choose one of {', '.join(allowed)}")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
+        if not 0 <= self.distillation_weight <= 1:
+            raise ConfigError(f"--distillation-weight must be in [0, 1], got {self.distillation_weight!r}")
+        if self.dynamic_sampling and self.teacher_url and self.distillation_weight == 1:
+            raise ConfigError("--dynamic-sampling drops groups whose rewards are equal, but with --distillation-weight "
+                              "1 rewards are not trained on: every group has the teacher's signal")
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ConfigError("--loss-type luspo scales sequence-level ratios: add --importance-sampling-level "
                               "sequence")

@@ -93,13 +93,15 @@ class LossConfig:
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     behaviour_clip: bool = True
+    distillation_weight: float = 0.0  # with teacher logprobs: the share of the reverse-KL advantage (distill.py)
     ratio_to: str = "proximal"  # or "behaviour": the deprecated loss_mode ppo (coef_1 = exp(p - b), no IS weight)
 
     @classmethod
     def from_args(cls, args) -> LossConfig:
-        names = cls.__dataclass_fields__.keys() - {"ratio_to", "epsilon_high"}
+        names = cls.__dataclass_fields__.keys() - {"ratio_to", "epsilon_high", "distillation_weight"}
         high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # TRL: epsilon_high defaults to it
         return cls(**{n: getattr(args, n) for n in names}, epsilon_high=high,
+                   distillation_weight=args.distillation_weight if getattr(args, "teacher_url", None) else 0.0,
                    ratio_to="behaviour" if getattr(args, "loss_mode", None) == "ppo" else "proximal")
 
     @property
@@ -133,12 +135,13 @@ class Sequences:
 
 def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig,
                 total_tokens: int, proximal: torch.Tensor | None = None, reference: torch.Tensor | None = None,
-                sequences: Sequences | None = None,
-                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                sequences: Sequences | None = None, entropy: torch.Tensor | None = None,
+                teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The step's loss over these trained tokens (flat [N] tensors; `total_tokens`: the step's trained tokens,
     the dapo/bnpo/cispo denominator), and statistics. `proximal` defaults to logp detached (TRL's old logprobs
     when it does not recompute them). Token-wise losses may be called on a part of the step's tokens and summed;
-    with cfg.whole_batch the call must hold the whole batch."""
+    with cfg.whole_batch the call must hold the whole batch. `teacher`: the teacher's logprobs of these tokens
+    (NaN where none), mixed into the advantage by cfg.distillation_weight (training/distill.py)."""
     if cfg.loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type '{cfg.loss_type}': choose one of {', '.join(LOSS_TYPES)}")
     needs_sequences = cfg.loss_type in SEQUENCE_AGGREGATES or cfg.whole_batch
@@ -149,7 +152,10 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
     if cfg.importance_sampling_level == "sequence":
         log_w = sequences.mean(log_w)
     coef_1 = torch.exp(log_w)
-    adv = advantages
+    adv, gap = advantages, None
+    if teacher is not None and cfg.distillation_weight:  # reverse KL on the student's own tokens, as an advantage
+        gap = torch.nan_to_num(teacher - logp.detach(), nan=0.0)
+        adv = (1 - cfg.distillation_weight) * advantages + cfg.distillation_weight * gap
     if cfg.loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logp
     elif cfg.loss_type == "sapo":
@@ -169,7 +175,12 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
         kl = torch.exp(diff) - diff - 1
         per_token = per_token + cfg.beta * (kl * coef_1 if cfg.use_bias_correction_kl else kl)
     loss = (per_token * _token_weights(cfg, total_tokens, sequences)).sum()
-    return loss, _stats(logp, behaviour, coef_1, rho, adv, outside, keep, kl, cfg)
+    stats = _stats(logp, behaviour, coef_1, rho, adv, outside, keep, kl, cfg)
+    if gap is not None and logp.numel():
+        scored = ~torch.isnan(teacher)
+        stats["distill_kl"] = float(-gap[scored].mean()) if scored.any() else None  # k1 of KL(student || teacher)
+        stats["distill_scored_frac"] = float(scored.float().mean())
+    return loss, stats
 
 
 def _masks(logp, behaviour, adv, cfg: LossConfig, sequences: Sequences | None, entropy) -> tuple:

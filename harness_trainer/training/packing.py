@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ class Chain:
     trained: list[bool]  # per position: supervised in this chain
     behaviour: list[float]  # per position: behaviour logprob (0.0 where not trained)
     version: list[int]  # per position: policy version that sampled it (-1 for context)
+    teacher: list[float] | None = None  # per position: the teacher's logprob (distill.py; NaN where none)
 
 
 def _parents(turns) -> dict[str, str | None]:
@@ -63,17 +65,21 @@ def chains_from_trace(trace: TrainingTrace, rollout: int, seen: set | None = Non
         ids = leaf.prompt_token_ids + leaf.completion_token_ids
         origin: list[tuple | None] = [None] * len(ids)
         trained, behaviour, version = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+        teacher = [math.nan] * len(ids)
         for turn in path:
             start = len(turn.prompt_token_ids)
             supervise = (rollout, turn.node_id) not in seen
             seen.add((rollout, turn.node_id))
             v = int(turn.metadata.get("policy_version", 0) or 0)
+            scored = turn.metadata.get("teacher_logps") or []
             for k, (mask, logp) in enumerate(zip(turn.loss_mask[start:], turn.per_token_logps)):
                 origin[start + k] = (rollout, turn.node_id, k)
                 version[start + k] = v
                 if supervise and mask == 1:
                     trained[start + k], behaviour[start + k] = True, float(logp)
-        chains.append(Chain(rollout, ids, origin, trained, behaviour, version))
+                    if k < len(scored) and scored[k] is not None:
+                        teacher[start + k] = float(scored[k])
+        chains.append(Chain(rollout, ids, origin, trained, behaviour, version, teacher))
     return chains
 
 
@@ -89,6 +95,7 @@ class PackedTree:
     version: torch.Tensor  # [N] policy version that sampled the token (-1 for context)
     end: torch.Tensor  # [N] end of the node's subtree: j is an ancestor of i (or i) iff j <= i < end[j]
     chain_tokens: int = 0  # tokens the same chains would feed as separate rows
+    teacher: torch.Tensor | None = None  # [N] the teacher's logprobs of trained tokens (NaN: none; distill.py)
 
     def __len__(self) -> int:
         return int(self.ids.numel())
@@ -103,6 +110,7 @@ class _Node:
     behaviour: float = 0.0
     rollout: int = -1
     version: int = -1
+    teacher: float = math.nan
 
 
 def pack(chains: list[Chain]) -> PackedTree:
@@ -116,14 +124,16 @@ def pack(chains: list[Chain]) -> PackedTree:
                 child = node.children[key] = _Node(token, version=chain.version[pos])
             if chain.trained[pos]:
                 child.trained, child.behaviour, child.rollout = True, chain.behaviour[pos], chain.rollout
+                child.teacher = chain.teacher[pos] if chain.teacher else math.nan
             node = child
-    ids, parent, depth, trained, behaviour, rollout, version = [], [], [], [], [], [], []
+    ids, parent, depth, trained, behaviour, rollout, version, teacher = [], [], [], [], [], [], [], []
     stack = [(child, -1, 0) for child in reversed(list(root.children.values()))]
     while stack:
         node, par, d = stack.pop()
         node.index = len(ids)
         ids.append(node.token), parent.append(par), depth.append(d), trained.append(node.trained)
         behaviour.append(node.behaviour), rollout.append(node.rollout), version.append(node.version)
+        teacher.append(node.teacher)
         stack.extend((child, node.index, d + 1) for child in reversed(list(node.children.values())))
     end = list(range(1, len(ids) + 1))
     for i in range(len(ids) - 1, 0, -1):  # children after parents: one backward sweep closes every subtree
@@ -131,7 +141,8 @@ def pack(chains: list[Chain]) -> PackedTree:
             end[parent[i]] = end[i]
     return PackedTree(torch.tensor(ids), torch.tensor(parent), torch.tensor(depth), torch.tensor(trained),
                       torch.tensor(behaviour, dtype=torch.float32), torch.tensor(rollout), torch.tensor(version),
-                      torch.tensor(end), chain_tokens=sum(len(c.ids) for c in chains))
+                      torch.tensor(end), chain_tokens=sum(len(c.ids) for c in chains),
+                      teacher=torch.tensor(teacher, dtype=torch.float32))
 
 
 def chain_logprobs(model, chain: Chain, temperature: float = 1.0) -> torch.Tensor:

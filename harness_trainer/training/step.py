@@ -43,9 +43,10 @@ class Batch:
     metrics: dict
 
 
-def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "none",
-                      mask_truncated: bool = False) -> Batch:
-    """Scored groups (rollouts/pool.py scores them) -> advantages per group -> chains; the reward metrics."""
+def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "none", mask_truncated: bool = False,
+                      distill: bool = False) -> Batch:
+    """Scored groups (rollouts/pool.py scores them) -> advantages per group -> chains; the reward metrics.
+    `distill`: a group whose rewards are all equal still trains (on its teacher's signal, distill.py)."""
     seen: set = set()
     chains, advantages, rewards_all, verifier, zero_groups, lengths, masked = [], [], [], [], 0, [], 0
     terms: dict[str, list[float]] = {}
@@ -65,7 +66,7 @@ def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "n
                 continue
             trace = TrainingTrace.model_validate(record.training_trace)
             lengths.append(sum(sum(t.loss_mask[len(t.prompt_token_ids):]) for t in trace.turns))
-            if adv is None or group.zero_variance:
+            if adv is None or (group.zero_variance and not distill):
                 continue
             if mask_truncated and record.truncated:  # in its group's mean, not in the loss (a sequence of 0)
                 masked += 1
@@ -92,7 +93,8 @@ def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "n
 def train_on(policy, groups: list[list[RolloutRecord]], step: int) -> dict:
     """One optimizer step on finished, scored groups, each with its own advantages; the loss is the token
     mean over every trained token of the step. Every rank runs it on the same groups."""
-    batch = batch_from_groups(groups, policy.args.scale_rewards, policy.args.mask_truncated_completions)
+    batch = batch_from_groups(groups, policy.args.scale_rewards, policy.args.mask_truncated_completions,
+                              distill=bool(policy.loss_cfg.distillation_weight))
     metrics = batch.metrics | {"lr": policy.lr_at(step)}
     if batch.total == 0:
         return metrics | {"trained_tokens": 0}
@@ -137,12 +139,14 @@ def _backward(policy, chains: list, batch: Batch):
             seqs = Sequences(rollout.to(policy.device), torch.tensor(batch.lengths, dtype=torch.float32,
                                                                      device=policy.device))
             reference = _reference_logprobs(policy, tree) if policy.args.beta else None
+            teacher = tree.teacher[tree.trained].to(policy.device) if cfg.distillation_weight else None
 
             def part(index: torch.Tensor) -> dict:
-                return dict(sequences=seqs.subset(index), reference=None if reference is None else reference[index])
+                return dict(sequences=seqs.subset(index), reference=None if reference is None else reference[index],
+                            teacher=None if teacher is None else teacher[index])
 
             if cfg.whole_batch:  # a token's loss needs the whole batch's logprobs: measure them first
-                loss_fn = _gradient_at(policy, tree, cfg, behaviour, adv, batch.total, seqs, reference)
+                loss_fn = _gradient_at(policy, tree, cfg, behaviour, adv, batch.total, seqs, reference, teacher)
             else:  # one update per batch: the proximal policy is the model as it is now (the forward's own, detached)
                 def loss_fn(logp_part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
                     return policy_loss(logp_part, behaviour[index], adv[index], cfg, batch.total,
@@ -150,7 +154,7 @@ def _backward(policy, chains: list, batch: Batch):
 
             logp, entropy = tree_backward(policy.model, tree, loss_fn, temperature, budget)
             loss, stats = policy_loss(logp, behaviour, adv, cfg, batch.total, proximal=logp, sequences=seqs,
-                                      reference=reference, entropy=entropy)
+                                      reference=reference, entropy=entropy, teacher=teacher)
             stats |= {"tree_tokens": len(tree), "row_tokens": tree.chain_tokens, "entropy": float(entropy.mean()),
                       "entropy_max": float(entropy.max()), "microbatches": len(plan_ranges(tree, budget))}
         elif policy.args.beta:
@@ -159,7 +163,7 @@ def _backward(policy, chains: list, batch: Batch):
     return loss, stats, tree, logp
 
 
-def _gradient_at(policy, tree, cfg, behaviour, adv, total: int, seqs: Sequences, reference):
+def _gradient_at(policy, tree, cfg, behaviour, adv, total: int, seqs: Sequences, reference, teacher):
     """For a loss that is not a sum of per-token terms (sequence ratios and IS weights, the off-policy mask, the
     entropy quantile): the whole tree's logprobs and entropies first (no gradient, as TRL computes its old
     logprobs), then d loss / d logp_t there. The backward of sum_t g_t logp_t in any micro-batches is then the
@@ -169,7 +173,7 @@ def _gradient_at(policy, tree, cfg, behaviour, adv, total: int, seqs: Sequences,
                                      max_tokens=policy.args.max_tokens_per_microbatch)
     at = now.detach().clone().requires_grad_()
     loss, _ = policy_loss(at, behaviour, adv, cfg, total, proximal=now.detach(), sequences=seqs,
-                          reference=reference, entropy=entropy)
+                          reference=reference, entropy=entropy, teacher=teacher)
     (g,) = torch.autograd.grad(loss, at)
     return lambda logp_part, index: (g[index] * logp_part).sum()
 

@@ -53,9 +53,11 @@ from harness_trainer.rollouts.services import environment_sessions
 from harness_trainer.rollouts.session import RolloutRecord
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.serving.placement import resolve_weight_sync
+from harness_trainer.serving.teacher import Teacher
 from harness_trainer.serving.weight_sync import WeightSync
 from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint
 from harness_trainer.training.config import AsyncGRPOConfig
+from harness_trainer.training.distill import score_with_teacher
 from harness_trainer.training.distributed import FAILED, broadcast, init_distributed, trainer_device, trainer_placement
 from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
@@ -108,6 +110,11 @@ class HarnessAsyncGRPOTrainer:
             raise ConfigError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
                               "returning one reward (or None) per environment")
         self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
+        self.teacher = None  # on-policy distillation: the engine that scores the student's tokens (distill.py)
+        if args.teacher_url and self.rank == 0:
+            self.teacher = Teacher(args.teacher_url, timeout_s=args.weight_sync_timeout_s * 5)
+            if self.policy.model_dir is not None:
+                self.teacher.check_tokenizer(str(self.policy.model_dir))
         self.out = Path(args.output_dir)
         self.sync = PolicySync(self.policy, args, getattr(self.factory, "proxy", None), backend, weight_sync, self.out)
         self.monitor = StabilityMonitor()
@@ -157,6 +164,8 @@ class HarnessAsyncGRPOTrainer:
     def _score(self, records: list[RolloutRecord], task=None) -> None:
         """The group's rewards, on rank 0 before anything is written or broadcast."""
         score_group(records, self.reward_funcs, self.reward_fn, getattr(task, "row", None))
+        if self.teacher is not None:
+            score_with_teacher(self.teacher, records)
 
     def score(self, groups: list[list[RolloutRecord]]) -> list[list[RolloutRecord]]:
         """Groups built outside the rollout pool (a test, a bench, a loop of your own), scored in place by the
@@ -217,6 +226,9 @@ class HarnessAsyncGRPOTrainer:
         args = self.args
         metrics.update(step=self.step, version=self.version, task=",".join(tasks))
         metrics.update(self.sync.engine_metrics())  # several engines: each one's sessions, calls, cache hits
+        if self.teacher is not None:  # what scoring this step's rollouts cost (since the last step)
+            metrics["teacher_tokens"], metrics["teacher_s"] = self.teacher.tokens, round(self.teacher.seconds, 3)
+            self.teacher.tokens, self.teacher.seconds = 0, 0.0
         if self.sync.recovered:  # what was put back since the last step (a restarted engine or proxy)
             metrics["recovered"], self.sync.recovered = self.sync.recovered, []
         if warnings := metrics.get("warnings", []) + self.monitor.check(metrics):
