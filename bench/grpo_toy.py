@@ -55,6 +55,18 @@ VARIANTS = {
     "halving": dict(learning_rate=3e-4, step_clip_mode="ratio", halving=True),
     "new-gps2": dict(learning_rate=3e-4, groups_per_step=2, warmup_ratio=0.1, lr_scheduler_type="constant_with_warmup"),
 }
+# TRL's loss types and vLLM IS modes (issue 43), each from today's defaults ("new" = dapo + token_truncate 2.0)
+NEW = VARIANTS["new"]
+VARIANTS |= {f"loss-{t}": NEW | dict(loss_type=t) for t in ("grpo", "dr_grpo", "sapo")}
+VARIANTS |= {
+    "loss-cispo": NEW | dict(loss_type="cispo", epsilon_high=5.0),  # TRL's recommended cap for cispo
+    "loss-luspo": NEW | dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "loss-gspo": NEW | dict(importance_sampling_level="sequence"),  # dapo with GSPO's sequence ratio
+    **{f"is-{m}": NEW | dict(vllm_importance_sampling_mode=m) for m in ("token_mask", "sequence_truncate",
+                                                                         "sequence_mask")},
+    "is-trl-default": NEW | dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=3.0),
+    "is-off": NEW | dict(vllm_importance_sampling_correction=False),
+}
 
 
 def halving_bound_step(params, before, measure, room, min_scale=1 / 64):
@@ -252,12 +264,15 @@ def main(argv=None) -> int:
             print(f"  {name} seed {seed}: wins {r['win']:.0%} ({100 * (r['win'] - base_win):+.0f}), well formed "
                   f"{r['formed']:.0%}; rewards {rewards}", flush=True)
         gains = [100 * (r["win"] - base_win) for r in results]
+        reach = [next((i + 1 for i, x in enumerate(r["rewards"]) if x is not None and x >= 0.75), None)
+                 for r in results]
         collapsed = sum(r["win"] < base_win - 0.2 or r["formed"] < base_formed - 0.2 for r in results)
         scales = [x for r in results for x in r["scale"]]
         print(f"{name}: gain mean {statistics.mean(gains):+.1f} points, min {min(gains):+.1f}, max {max(gains):+.1f}; "
               f"collapsed {collapsed}/{len(results)}; step taken: median {statistics.median(scales):.2f}, "
               f"skipped {sum(r['skipped'] for r in results)}, taken outside the bound "
-              f"{sum(r['outside'] for r in results)}, of {len(scales)} steps", flush=True)
+              f"{sum(r['outside'] for r in results)}, of {len(scales)} steps; first step with reward >= 0.75: "
+              f"{' '.join('-' if x is None else str(x) for x in reach)}", flush=True)
     return 0
 
 

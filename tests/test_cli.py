@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from harness_trainer.commands.cli import main
 
@@ -70,6 +71,32 @@ def test_old_spellings_still_work_with_a_deprecation_line(capsys):
                      ("--max-tokens", "--max-completion-tokens"), ("--resume", "--resume-from-checkpoint"),
                      ("--epochs", "--num-train-epochs"), ("--out", "--output-dir")):
         assert f"{old} is deprecated and will be removed: use {new}" in err
+
+
+def test_the_loss_settings_old_names_become_trls_with_one_line_each(tmp_path, capsys):
+    """Flags, YAML keys and Python keywords alike: the value lands on TRL's name, the old field is cleared."""
+    from harness_trainer.commands.cli import build_parser
+    from harness_trainer.commands.train import train_config
+    from harness_trainer.training.config import AsyncGRPOConfig
+
+    cfg = train_config(build_parser().parse_args(["train", "--kl-beta", "0.05", "--clip-high", "0.28",
+                                                  "--is-mode", "mis", "--is-bound", "4", "--scale-rewards", "true"]))
+    assert (cfg.beta, cfg.epsilon_high, cfg.vllm_importance_sampling_mode) == (0.05, 0.28, "token_mask")
+    assert (cfg.vllm_importance_sampling_clip_max, cfg.scale_rewards, cfg.kl_beta, cfg.is_mode) == (4.0, "group",
+                                                                                                    None, None)
+    (tmp_path / "run.yaml").write_text("clip_low: 0.1\nis_mode: none\nloss_mode: decoupled\n")
+    cfg = train_config(build_parser().parse_args(["train", "--config", str(tmp_path / "run.yaml")]))
+    assert (cfg.epsilon, cfg.vllm_importance_sampling_correction, cfg.loss_mode) == (0.1, False, None)
+    ppo = AsyncGRPOConfig(loss_mode="ppo")
+    assert ppo.loss_mode == "ppo"  # no TRL name: kept, read by the loss (the ratio to the sampler)
+    err = capsys.readouterr().err
+    for old, new in (("kl_beta", "use beta"), ("clip_high", "use epsilon_high"), ("is_bound", "use "
+                     "vllm_importance_sampling_clip_max"), ("clip_low", "use epsilon"), ("is_mode", "use "
+                     "--vllm-importance-sampling-mode"), ("loss_mode", "decoupled is the default"),
+                     ("loss_mode", "ppo (the ratio to the sampler itself) has the same gradient")):
+        assert f"{old} is deprecated and will be removed: {new}" in err
+    assert "--kl-beta" not in build_parser().format_help() and "kl-beta" not in (
+        Path(__file__).parents[1] / "docs" / "cli.md").read_text()  # hidden from help and the reference
 
 
 def test_an_old_key_in_a_config_file_still_works(tmp_path, capsys):

@@ -171,7 +171,14 @@ CONFIG_REFUSALS = {"num_generations": (0, "--num-generations must be a positive 
                    "dtype": ("float64", "--dtype float64: choose auto, float32, bfloat16 or float16"),
                    "max_tokens_per_microbatch": (0, "--max-tokens-per-microbatch must be a positive integer or none"),
                    "step_clip_mode": ("wavy", "unknown step_clip_mode 'wavy'"),
-                   "distributed": ("mesh", "--distributed mesh: choose ddp or fsdp")}
+                   "distributed": ("mesh", "--distributed mesh: choose ddp or fsdp"),
+                   "loss_type": ("ppo", "--loss-type ppo: choose one of grpo, dr_grpo, dapo"),
+                   "vllm_importance_sampling_mode": ("tis", "--vllm-importance-sampling-mode tis: choose one of "),
+                   "scale_rewards": ("std", "--scale-rewards std: choose one of none, group, batch"),
+                   "importance_sampling_level": ("turn", "--importance-sampling-level turn: choose one of token"),
+                   "top_entropy_quantile": (1.5, "--top-entropy-quantile must be in [0, 1]"),
+                   "distillation_weight": (2, "--distillation-weight must be in [0, 1]"),
+                   "dynamic_sampling_max_tries": (0, "--dynamic-sampling-max-tries must be a positive integer")}
 
 
 @pytest.mark.parametrize("field", sorted(CONFIG_REFUSALS))

@@ -191,11 +191,36 @@ def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, r
     return result, {"grpo": summary, "e_grpo_s": grpo_s, "f_eval_grpo_s": time.monotonic() - t}
 
 
+def distill_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, teacher: Path, n: int, recipe: Recipe,
+                  steps: int, seed: int) -> tuple[EvalSummary, dict]:
+    """(g)-(h): on-policy distillation of the SFT model from `teacher` (its own engine), no reward trained on
+    (the verifier's is only logged), then the eval of its final model."""
+    from harness_trainer.commands.train import TrainRunConfig, run_training
+
+    t = time.monotonic()
+    print(f"(g) on-policy distillation from {teacher}, {steps} steps, no reward", flush=True)
+    summary = run_training(TrainRunConfig(
+        harness=recipe.harness, agent_config=recipe.agent_config, dataset="builtin:toy-train", model=str(sft),
+        vllm_url=engine_url, teacher_model=str(teacher), distillation_weight=1.0, max_steps=steps,
+        temperature=TEMPERATURE, max_completion_tokens=recipe.max_completion_tokens,
+        agent_step_limit=recipe.agent_step_limit, save_steps=steps, seed=seed, output_dir=str(out), report_to="none",
+        **recipe.grpo | {"save_best": False}))
+    distill_s = time.monotonic() - t
+    print("(h) SFT + distillation model on the held-out tasks", flush=True)
+    t = time.monotonic()
+    reload_weights(engine_url, summary["final_model"], version=0)
+    result = _eval("distill", engine_url, eval_root, n, recipe)
+    return result, {"distill": summary, "g_distill_s": distill_s, "h_eval_distill_s": time.monotonic() - t}
+
+
 def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float | None = None,
               sft_model: Path | None = None, seeds: tuple[int, ...] = (0,), lora_rank: int = 0,
-              recipe: Recipe = RECIPES["mini-swe-agent"]) -> tuple[list, dict, dict]:
-    """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model.
-    Returns the table's rows, each row's stage time, and every stage's seconds."""
+              recipe: Recipe = RECIPES["mini-swe-agent"], distill: bool = False,
+              teacher: Path | None = None) -> tuple[list, dict, dict]:
+    """The whole proof, or (with sft_model) only its GRPO stage, once per seed, from that fixed SFT model; with
+    `distill`, then the SFT model distilled from `teacher` (default: the GRPO stage's model; given one, with
+    sft_model, the GRPO stage is skipped). Returns the table's rows, each row's stage time, every stage's
+    seconds."""
     started = time.monotonic()
     rows, timings, times = [], {}, {}
     if sft_model is None:
@@ -208,7 +233,7 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
     timings["d_eval_sft_s"] = time.monotonic() - t
     times["SFT"] = sum(timings.get(k, 0.0) for k in ("b_solver_s", "c_sft_s", "d_eval_sft_s"))
     runs = {}
-    for seed in seeds:
+    for seed in seeds if not (distill and teacher and sft_model) else ():
         # one seed: grpo/ and eval-grpo/ as before; several: grpo-seedN/ holding its own eval-grpo/
         where, eval_root = (out / "grpo", out) if len(seeds) == 1 else (out / f"grpo-seed{seed}",) * 2
         result, info = grpo_stage(where, eval_root, engine_url, sft_model, n, recipe, grpo_steps, seed, lora_rank)
@@ -217,6 +242,17 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
         times[name] = info["e_grpo_s"] + info["f_eval_grpo_s"]
         timings |= {f"{k}{'' if len(seeds) == 1 else f'_seed{seed}'}": v for k, v in info.items() if k.endswith("_s")}
         runs[seed] = info
+    if distill:
+        if teacher is not None:  # an earlier proof's model: its own row, evaluated as the others
+            reload_weights(engine_url, teacher, version=0)
+            rows.append(("teacher", _eval("teacher", engine_url, out, n, recipe)))
+        teacher = teacher or Path(runs[seeds[0]]["grpo"]["final_model"])
+        result, info = distill_stage(out / "distill", out, engine_url, sft_model, teacher, n, recipe, grpo_steps,
+                                     seeds[0])
+        rows.append(("SFT + distillation", result))
+        times["SFT + distillation"] = info["g_distill_s"] + info["h_eval_distill_s"]
+        timings |= {k: v for k, v in info.items() if k.endswith("_s")}
+        runs["distill"] = info
     timings["total_s"] = time.monotonic() - started
     result = {"harness": recipe.harness, "table": {name: asdict(s) | {"win_rate_ci95": wilson(s.wins, s.rollouts)}
                                                    for name, s in rows},
@@ -238,17 +274,22 @@ def gains(rows: list[tuple[str, EvalSummary]]) -> dict:
     return {name: [round(100 * x, 1) for x in gain_interval(s, sft)] for name, s in rows if name.startswith("SFT +")}
 
 
+def _gain_line(name: str, found: dict) -> str:
+    d, low, high = found[name]
+    method = "distillation" if "distillation" in name else "GRPO"
+    return f"\n{method} over SFT: {d:+.1f} points (95% CI {low:+.1f} to {high:+.1f})"
+
+
 def spread(rows: list[tuple[str, EvalSummary]]) -> str:
     """The gain over SFT (one run: with its interval; several: their mean and range), in points."""
     found = gains(rows)
-    if not found:
-        return ""
-    if len(found) == 1:
-        (d, low, high), = found.values()
-        return f"\nGRPO over SFT: {d:+.1f} points (95% CI {low:+.1f} to {high:+.1f})"
-    values = [d for d, _, _ in found.values()]
+    grpo = [name for name in found if "distillation" not in name]
+    lines = "".join(_gain_line(name, found) for name in found if "distillation" in name)
+    if len(grpo) <= 1:
+        return "".join(_gain_line(name, found) for name in grpo) + lines
+    values = [found[name][0] for name in grpo]
     return (f"\nGRPO over SFT: mean {sum(values) / len(values):+.1f} points, min {min(values):+.1f}, "
-            f"max {max(values):+.1f} ({len(values)} runs)")
+            f"max {max(values):+.1f} ({len(values)} runs)") + lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +328,12 @@ def _parser() -> ArgumentParser:
                              "every weight)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="run the GRPO stage once per seed, from the same SFT model (default: 0)")
+    parser.add_argument("--distill", action="store_true",
+                        help="then distil the SFT model on-policy from the GRPO model (or --teacher), no reward, "
+                             "--grpo-steps steps, and evaluate it")
+    parser.add_argument("--teacher", default=None,
+                        help="with --distill and --sft-model: the teacher model folder (e.g. an earlier proof's "
+                             "grpo/final); the GRPO stage is then skipped")
     return parser
 
 
@@ -300,6 +347,10 @@ def _main(argv: list[str] | None) -> int:
         print(f"proof: --sft-model {sft_model} is not a model folder (no config.json); give an earlier proof's "
               "sft/ folder or any model folder", file=sys.stderr)
         return 1
+    if args.teacher and not (args.distill and sft_model and (Path(args.teacher) / "config.json").exists()):
+        print(f"proof: --teacher {args.teacher} needs --distill, --sft-model and a model folder (config.json): "
+              "e.g. --distill --sft-model runs/demo/sft --teacher runs/demo/grpo/final", file=sys.stderr)
+        return 1
     if out.exists() and any(out.iterdir()):
         print(f"proof: {out} is not empty; remove it or pass --output-dir NEW", file=sys.stderr)
         return 1
@@ -310,8 +361,9 @@ def _main(argv: list[str] | None) -> int:
     recipe = RECIPES[args.harness]
     if args.agent_config:
         recipe = replace(recipe, agent_config=args.agent_config)
+    teacher = Path(args.teacher) if args.teacher else None
     run = lambda url: run_proof(out, url, args.num_generations, args.grpo_steps, args.sft_epochs,  # noqa: E731
-                                sft_model, tuple(args.seeds), args.lora_rank, recipe)
+                                sft_model, tuple(args.seeds), args.lora_rank, recipe, args.distill, teacher)
     if args.vllm_url:
         rows, times, timings = run(args.vllm_url)
     else:
@@ -323,8 +375,7 @@ def _main(argv: list[str] | None) -> int:
     print(table(rows, times))
     print(spread(rows))
     print(stage_times(timings))
-    curves = [out / "grpo" / "reward_curve.png"] if len(args.seeds) == 1 else \
-        [out / f"grpo-seed{seed}" / "reward_curve.png" for seed in args.seeds]
+    curves = [c for c in sorted(out.glob("*/reward_curve.png"))]
     print(f"\nreward curves: {', '.join(map(str, curves))}; everything else in {out}")
     return 0
 
