@@ -298,10 +298,12 @@ def test_dynamic_sampling_refills_each_step_with_groups_that_train(fresh_engine,
     assert capped.get("trained_tokens", 0) == 0  # nothing to train on: no step taken, the step still logged
 
 
-def test_distillation_scores_every_trained_token_by_its_exact_ids(fresh_engine, tiny_model_dir, tmp_path):
-    """The teacher is the engine serving the student's own starting weights: before the first sync it must
-    give every trained token the logprob the engine sampled it with, and the step's reverse KL is ~0. A token
-    scored out of place (a shifted position, another context) would be far off."""
+@pytest.mark.parametrize("use_peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+def test_distillation_scores_every_trained_token_by_its_exact_ids(fresh_engine, tiny_model_dir, tmp_path, use_peft):
+    """The teacher is the engine serving the student's own starting weights (with LoRA: the base model, the
+    student its zero-initialised adapter): every trained token must get the logprob the engine sampled it with,
+    and the step's reverse KL is ~0. A token scored out of place (a shifted position, another context) would be
+    far off."""
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     rows = [json.loads(line) for line in (EXAMPLES / "wordle.jsonl").read_text().splitlines()][:2]
@@ -310,7 +312,7 @@ def test_distillation_scores_every_trained_token_by_its_exact_ids(fresh_engine, 
         reward_funcs=[wordle.reward_win], args=AsyncGRPOConfig(
             output_dir=str(tmp_path / "run"), vllm_server_base_url=fresh_engine.url, teacher_url=fresh_engine.url,
             num_generations=2, max_concurrent_rollouts=2, max_steps=1, max_completion_tokens=16,
-            max_completion_length=32, save_steps=10)).train()
+            max_completion_length=32, save_steps=10, use_peft=use_peft, lora_rank=8)).train()
     assert step["distill_scored_frac"] == 1.0 and abs(step["distill_kl"]) < 5e-3, step
     assert step["teacher_tokens"] > 0 and step["trained_tokens"] > 0
     gaps = []
