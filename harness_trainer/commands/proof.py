@@ -169,48 +169,50 @@ def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: fl
     return Path(sft), rows, timings
 
 
+def _train(out: Path, engine_url: str, sft: Path, recipe: Recipe, steps: int, seed: int, **settings) -> dict:
+    """run_training from the SFT model with the recipe's GRPO settings (and `settings` over them); its summary."""
+    from harness_trainer.commands.train import TrainRunConfig, run_training
+
+    return run_training(TrainRunConfig(
+        harness=recipe.harness, agent_config=recipe.agent_config, dataset="builtin:toy-train", model=str(sft),
+        vllm_url=engine_url, max_steps=steps, temperature=TEMPERATURE,
+        max_completion_tokens=recipe.max_completion_tokens, agent_step_limit=recipe.agent_step_limit,
+        save_steps=steps, seed=seed, output_dir=str(out), report_to="none", **recipe.grpo | settings))
+
+
+def _eval_final(summary: dict, name: str, engine_url: str, eval_root: Path, n: int, recipe: Recipe):
+    """The eval of a training stage's final model, reloaded into the engine; (summary, seconds)."""
+    t = time.monotonic()
+    reload_weights(engine_url, summary["final_model"], version=0)
+    return _eval(name, engine_url, eval_root, n, recipe), time.monotonic() - t
+
+
 def grpo_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, n: int, recipe: Recipe, grpo_steps: int,
                seed: int, lora_rank: int = 0) -> tuple[EvalSummary, dict]:
     """(e)-(f): GRPO from the SFT model with run_training, then the eval of its final model."""
-    from harness_trainer.commands.train import TrainRunConfig, run_training
-
     t = time.monotonic()
     print(f"(e) GRPO from the SFT model, {grpo_steps} steps, seed {seed}", flush=True)
-    summary = run_training(TrainRunConfig(
-        harness=recipe.harness, agent_config=recipe.agent_config, dataset="builtin:toy-train", model=str(sft),
-        vllm_url=engine_url, max_steps=grpo_steps, temperature=TEMPERATURE,
-        max_completion_tokens=recipe.max_completion_tokens, agent_step_limit=recipe.agent_step_limit,
-        save_steps=grpo_steps, seed=seed, output_dir=str(out), report_to="none",
-        **recipe.grpo | ({"use_peft": True, "lora_rank": lora_rank,
-                          "learning_rate": recipe.grpo["learning_rate"] * LORA_LR_FACTOR} if lora_rank else {})))
+    lora = {"use_peft": True, "lora_rank": lora_rank,
+            "learning_rate": recipe.grpo["learning_rate"] * LORA_LR_FACTOR} if lora_rank else {}
+    summary = _train(out, engine_url, sft, recipe, grpo_steps, seed, **lora)
     grpo_s = time.monotonic() - t
     print("(f) SFT+GRPO model on the held-out tasks", flush=True)
-    t = time.monotonic()
-    reload_weights(engine_url, summary["final_model"], version=0)
-    result = _eval("grpo", engine_url, eval_root, n, recipe)
-    return result, {"grpo": summary, "e_grpo_s": grpo_s, "f_eval_grpo_s": time.monotonic() - t}
+    result, eval_s = _eval_final(summary, "grpo", engine_url, eval_root, n, recipe)
+    return result, {"grpo": summary, "e_grpo_s": grpo_s, "f_eval_grpo_s": eval_s}
 
 
 def distill_stage(out: Path, eval_root: Path, engine_url: str, sft: Path, teacher: Path, n: int, recipe: Recipe,
                   steps: int, seed: int) -> tuple[EvalSummary, dict]:
     """(g)-(h): on-policy distillation of the SFT model from `teacher` (its own engine), no reward trained on
     (the verifier's is only logged), then the eval of its final model."""
-    from harness_trainer.commands.train import TrainRunConfig, run_training
-
     t = time.monotonic()
     print(f"(g) on-policy distillation from {teacher}, {steps} steps, no reward", flush=True)
-    summary = run_training(TrainRunConfig(
-        harness=recipe.harness, agent_config=recipe.agent_config, dataset="builtin:toy-train", model=str(sft),
-        vllm_url=engine_url, teacher_model=str(teacher), distillation_weight=1.0, max_steps=steps,
-        temperature=TEMPERATURE, max_completion_tokens=recipe.max_completion_tokens,
-        agent_step_limit=recipe.agent_step_limit, save_steps=steps, seed=seed, output_dir=str(out), report_to="none",
-        **recipe.grpo | {"save_best": False}))
+    summary = _train(out, engine_url, sft, recipe, steps, seed, teacher_model=str(teacher), distillation_weight=1.0,
+                     save_best=False)
     distill_s = time.monotonic() - t
     print("(h) SFT + distillation model on the held-out tasks", flush=True)
-    t = time.monotonic()
-    reload_weights(engine_url, summary["final_model"], version=0)
-    result = _eval("distill", engine_url, eval_root, n, recipe)
-    return result, {"distill": summary, "g_distill_s": distill_s, "h_eval_distill_s": time.monotonic() - t}
+    result, eval_s = _eval_final(summary, "distill", engine_url, eval_root, n, recipe)
+    return result, {"distill": summary, "g_distill_s": distill_s, "h_eval_distill_s": eval_s}
 
 
 def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: float | None = None,
