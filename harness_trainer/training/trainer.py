@@ -202,6 +202,8 @@ class HarnessAsyncGRPOTrainer:
                 broadcast(None if finished else FAILED)
             for sync in self.sync.weight_syncs.values():
                 sync.close()
+            if self.teacher is not None:
+                self.teacher.close()
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop; join the collectives
