@@ -143,7 +143,7 @@ def test_rows_are_checked_and_named(tmp_path):
 def test_wordle_episode_runs_to_the_end_with_exact_captured_turns(scripted_proxy, tokenizer):
     row = {"prompt": [{"role": "user", "content": wordle.PROMPT}], "secret": "crane"}
     record, task = rollout(scripted_proxy, wordle.Wordle, row)
-    assert record.status == "ok", record.reason
+    assert record.status == "ok" and record.truncated == "", (record.reason, record.truncated)  # ended on its own
     assert record.outcome.tool_calls_by_name == {"guess": 2} and record.outcome.tool_failure_count == 0
     assert [m["role"] for m in record.outcome.completion] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert record.outcome.completion[1]["content"].startswith("You submitted [slate].\nFeedback:\nS L A T E\n")
@@ -192,6 +192,7 @@ def test_the_limits_end_an_episode_cleanly(scripted_proxy):
     row = {"prompt": "Echo in a loop."}  # the script calls step for ever
     record, _ = rollout(scripted_proxy, echo.EchoEnv, row, max_tool_calling_iterations=2)
     assert record.status == "ok" and "max_tool_calling_iterations (2)" in record.reason
+    assert "max_tool_calling_iterations (2)" in record.truncated  # mask_truncated_completions leaves it out
     assert record.outcome.tool_calls_by_name == {"step": 2}  # the third answer's call is not run
     assert len(record.training_trace["turns"]) == 3
     record, _ = rollout(scripted_proxy, echo.EchoEnv, row, max_completion_length=60)

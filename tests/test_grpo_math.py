@@ -192,3 +192,21 @@ def test_teacher_logprobs_reach_the_packed_tree():
     tree = pack(chains_from_trace(trace, 0, set()))
     got = tree.teacher[tree.trained].tolist()
     assert got[:4] == pytest.approx([-0.1, -0.2, -0.3, -0.4]) and math.isnan(got[4])
+
+
+def test_a_truncated_rollout_counts_in_its_group_but_not_in_the_loss():
+    """mask_truncated_completions (TRL's): the rollout a limit stopped keeps its place in the group's mean and in
+    the count of sequences, and none of its tokens trains."""
+    from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
+    from harness_trainer.training.step import batch_from_groups
+
+    def record(reward, trace, truncated=""):
+        return RolloutRecord("t", "e", HarnessRolloutOutcome(reward, [], [], 0, 0, {}, False), "ok",
+                             training_trace={"turns": trace}, reward=reward, truncated=truncated)
+
+    group = [record(1.0, [A1, A2]), record(0.0, [B1, B2], truncated="time limit (60 s)"), record(0.0, [A4])]
+    kept, masked = batch_from_groups([group]), batch_from_groups([group], mask_truncated=True)
+    assert kept.advantages == masked.advantages == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    assert masked.lengths == [kept.lengths[0], 0, kept.lengths[2]] and kept.lengths[1] == 5
+    assert {c.rollout for c in masked.chains} == {0, 2} and masked.total == kept.total - 5
+    assert masked.metrics["truncated"] == kept.metrics["truncated"] == 1 and masked.metrics["truncated_masked"] == 1
