@@ -1,13 +1,17 @@
 # The README's two commands: `make demo` and `make test`. Each runs the idempotent set-up first.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow test-reliability test-all demo engine-demo bench docs clean
+.PHONY: setup test test-stress test-slow test-reliability test-all demo engine-demo bench docs clean
 
 setup:
 	@HARBOR=$(HARBOR) bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest
+
+# The default tier beside a CPU hog on every core (HOG_LOAD percent busy, 60 unless set): no test may race the clock.
+test-stress: setup
+	@bash scripts/test_stress.sh $(ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow

@@ -206,16 +206,20 @@ def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docke
     """The trainer cancels stale rollouts from another thread: killing the docker CLI alone would leave the agent
     running inside the container."""
     import threading
-    import time
+
+    from stubs import wait_until
 
     box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, load_task(image_task(tmp_path)).environment)
     box.start()
+    sleeps = lambda: box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip()  # noqa: E731
     try:
-        threading.Timer(1.0, box.cancel).start()
-        started = time.monotonic()
-        result = box.exec("sleep 120", 300)
-        assert time.monotonic() - started < 30 and result.returncode != 0
-        assert box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip() == "1"  # the container's own
+        # cancelled once the agent's command runs inside (a timer could fire before the exec has started); the
+        # command and its exec's own timeout outlast the test's, so returning at all is the cancel's doing
+        threading.Thread(target=lambda: (wait_until(lambda: sleeps() == "2", 300, "the exec inside"), box.cancel()),
+                         daemon=True).start()
+        result = box.exec("sleep 3600", 3600)
+        assert result.returncode != 0
+        assert sleeps() == "1"  # the container's own
         assert box.exec("true", 10).stderr == "cancelled"  # and no later exec starts
     finally:
         box.stop()

@@ -12,6 +12,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from stubs import Link, wait_until
 
 from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool, NoEngine, prometheus_total
@@ -113,46 +114,40 @@ def test_each_session_keeps_its_engine_and_sessions_spread_over_both(engine, sec
 
 def test_a_lost_engine_ends_its_rollouts_and_comes_back_only_with_the_policy(fresh_engine, second_engine,
                                                                               tiny_model_dir, tmp_path):
-    engine, urls = fresh_engine, [fresh_engine.url, second_engine.url]
+    """The second engine sits behind a Link (tests/stubs.py) that lets a streamed answer through up to its first
+    event and holds the rest: the engine is killed while the call is, for everyone downstream, mid-stream,
+    however fast the tiny model writes (a real kill "mid-stream" lost that race on a fresh clone)."""
+    engine, link = fresh_engine, Link(int(second_engine.url.rsplit(":", 1)[1]))
+    urls = [engine.url, link.url]
     with ProxyServer(urls, log_path=tmp_path / "proxy.log") as proxy:
         kept, doomed = proxy.client.create_session(), proxy.client.create_session()
-        assert (kept["upstream"], doomed["upstream"]) == (engine.url, second_engine.url)
+        assert (kept["upstream"], doomed["upstream"]) == (engine.url, link.url)
         assert post(doomed, MESSAGES).status_code == 200  # a finished turn, captured before the engine dies
 
-        # A long streamed call on the second engine, killed once its first tokens have arrived. vLLM sometimes
-        # holds a stream's headers until the whole answer is generated (proxy/relay.py); such an answer arrives
-        # whole and the kill comes too late: that race lost, the call is made again (a fresh-clone run saw it).
-        for _ in range(3):
-            started, events = threading.Event(), []
+        link.pause_streams()
+        events: list[str] = []
 
-            def long_call() -> None:
-                with httpx.stream("POST", doomed["base_url"] + "/chat/completions", timeout=120,
-                                  headers={"authorization": f"Bearer {doomed['api_key']}"},
-                                  json={"messages": MESSAGES, "max_tokens": 3000, "min_tokens": 3000,
-                                        "stream": True}) as answer:
-                    for line in answer.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            started.set()
-                started.set()
+        def long_call() -> None:
+            with httpx.stream("POST", doomed["base_url"] + "/chat/completions", timeout=300,
+                              headers={"authorization": f"Bearer {doomed['api_key']}"},
+                              json={"messages": MESSAGES, "max_tokens": 64, "stream": True}) as answer:
+                events.extend(line[6:] for line in answer.iter_lines() if line.startswith("data: "))
 
-            call = threading.Thread(target=long_call)
-            call.start()
-            assert started.wait(60) and events, "the long call never started streaming"
-            if running_requests(second_engine.url) >= 1:  # still generating: the kill lands mid-stream
-                break
-            call.join(120)
-        kill_group(second_engine.managed.process)
-        call.join(120)
-        assert events[-1] != "[DONE]" and "error" in events[-1]  # the agent is told; no answer pretends to end
-        time.sleep(1)  # the proxy's check of the engine runs as the stream ends
+        call = threading.Thread(target=long_call)
+        call.start()
+        assert link.first_event.wait(300), "the streamed call never reached the engine's first event"
+        kill_group(second_engine.managed.process)  # the engine dies with the rest of the answer unsent
+        link.drop()
+        call.join(300)
+        assert events and events[-1] != "[DONE]" and "error" in events[-1], events  # the agent is told
+        wait_until(lambda: any(stop.startswith(ENGINE_LOST) for stop in proxy.client.session(doomed["id"])["stops"]),
+                   120, "the session to end as engine lost")
 
         state = proxy.client.session(doomed["id"])
-        assert any(stop.startswith(ENGINE_LOST) for stop in state["stops"]), state["stops"]
         assert state["calls"] >= 1 and proxy.client.rollout(doomed["id"])["calls"][0]["completion_token_ids"]
         stopped = post(doomed, MESSAGES)  # its next call is a clean stop, never moved to the other engine
         assert stopped.status_code == 200 and "lost" in stopped.json()["choices"][0]["message"]["content"]
-        assert {e["url"]: e["state"] for e in proxy.client.engines()}[second_engine.url] == "lost"
+        assert wait_state(proxy, link.url, "lost")
         new = [proxy.client.create_session() for _ in range(3)]
         assert {s["upstream"] for s in new} == {engine.url}  # new sessions go to the one left
         converse(kept, 2)  # the other engine's rollouts go on
@@ -162,20 +157,21 @@ def test_a_lost_engine_ends_its_rollouts_and_comes_back_only_with_the_policy(fre
         proxy.client.set_policy_version(1)
         # The second engine comes back on its port with its launch weights: it answers, but is behind.
         second_engine.managed.start(second_engine.cfg.startup_timeout_s)
-        assert wait_state(proxy, second_engine.url, "behind")
+        assert wait_state(proxy, link.url, "behind")
         assert {proxy.client.create_session()["upstream"] for _ in range(3)} == {engine.url}
         reload_weights(second_engine, tiny_model_dir, version=1)  # the trainer's sync puts it back
-        assert wait_state(proxy, second_engine.url, "ready")
-        assert second_engine.url in {proxy.client.create_session()["upstream"] for _ in range(3)}
+        assert wait_state(proxy, link.url, "ready")
+        assert link.url in {proxy.client.create_session()["upstream"] for _ in range(3)}
+    link.cut()
 
 
-def wait_state(proxy, url: str, state: str, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if {e["url"]: e["state"] for e in proxy.client.engines()}[url] == state:
-            return True
-        time.sleep(0.5)
-    return False
+def wait_state(proxy, url: str, state: str, timeout_s: float = 120.0) -> bool:
+    """The proxy's health watch (every HEALTH_EVERY_S) has seen the engine in `state`."""
+    try:
+        return wait_until(lambda: {e["url"]: e["state"] for e in proxy.client.engines()}[url] == state, timeout_s,
+                          f"{url} to be {state}", poll_s=0.5)
+    except AssertionError:
+        return False
 
 
 @pytest.mark.slow

@@ -150,7 +150,7 @@ def test_a_transfer_is_bounded_when_the_engine_dies_or_stalls(monkeypatch):
         started = time.monotonic()
         with pytest.raises(WeightSyncError, match="stopped answering during 'send_weights'"):
             sync._guarded("send_weights", stuck.wait)
-        assert time.monotonic() - started < 5  # the health watch, not the 60 s bound
+        assert time.monotonic() - started < 30  # the health watch (every 0.1 s), not the 60 s bound: a wide margin
         with pytest.raises(WeightSyncError, match="unusable after an earlier failure"):
             sync.load(None, 2)  # the group is gone: the run must stop, not hang on the next sync
         _Engine.alive = True

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 import torch
+from stubs import wait_until
 
 from harness_trainer.commands.cli import build_parser, main
 from harness_trainer.commands.train import ConfigError, train_config
@@ -80,11 +81,11 @@ def test_ctrl_c_stops_everything(engine, tiny_model_dir, tmp_path):
     proc = subprocess.Popen(HARNESS_TRAIN + [
         "--vllm-url", engine.url, "--max-steps", "50", "--num-generations", "2", "--max-concurrent-rollouts", "2",
         "--report-to", "none", "--output-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not any((out / "rollouts" / "trials").glob("*")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no rollout started"
-        time.sleep(0.2)
-    time.sleep(1.0)  # agents are running in their jails now
+    def jailed() -> bool:  # an agent is running in its jail (the command still running)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        return any("bwrap" in line for line in _leftovers(str(tmp_path)))
+
+    wait_until(jailed, 300, "an agent in its jail")
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=120)
@@ -95,8 +96,10 @@ def test_ctrl_c_stops_everything(engine, tiny_model_dir, tmp_path):
         _, err = proc.communicate()
         pytest.fail(f"no exit 120 s after Ctrl-C; its stderr ends:\n{err[-12000:]}")
     assert proc.returncode == 130 and "--resume-from-checkpoint latest" in err
-    time.sleep(0.5)
-    assert _leftovers(str(tmp_path)) == []
+    try:  # the jails' last processes may still be exiting (killed, not yet reaped)
+        wait_until(lambda: _leftovers(str(tmp_path)) == [], 30, "nothing left running")
+    except AssertionError:
+        assert _leftovers(str(tmp_path)) == []
 
 
 def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):

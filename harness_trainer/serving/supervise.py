@@ -35,7 +35,8 @@ def wait_for(name: str, probe, timeout_s: float, poll_s: float = 1.0) -> float:
         except Exception as exc:  # any failure to answer: connection refused, reset, 5xx, timeout
             waited = time.monotonic() - started
             if waited >= timeout_s:
-                raise ServiceDown(f"{name} has not answered for {waited:.0f} s ({type(exc).__name__}: {exc})") \
+                # the bound, not the seconds measured: those depend on how busy the machine was
+                raise ServiceDown(f"{name} has not answered for {timeout_s:g} s ({type(exc).__name__}: {exc})") \
                     from None
             if waited == 0 or int(waited) % 30 == 0:
                 log.warning("%s is not answering (%s); waiting up to %.0f s for it to come back", name, exc,

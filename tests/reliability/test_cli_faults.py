@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from faults import wait_until
+from stubs import wait_until
 
 from harness_trainer.serving.process import free_port
 

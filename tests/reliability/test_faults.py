@@ -17,7 +17,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from faults import AGENT_HARNESS, Link, wait_until
+from faults import AGENT_HARNESS
+from stubs import Link, wait_until
 from test_trainer import say_task  # reward 1 when the agent's answer starts with a digit
 
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
@@ -178,7 +179,9 @@ def test_an_engine_gone_for_good_stops_the_run_with_a_clear_error(fresh_engine, 
             trainer.train()
         stopped_after = time.monotonic() - link.cut_at
     assert "resume the run from" in str(stopped.value)
-    assert stopped_after < 10 + 5 + 20  # the agents' timeout, the recovery bound, a verifier and a step
+    # bounded: the agents' timeout (10 s) and the recovery bound (5 s) are fixed; the verifier and the step take
+    # what the machine gives them (20 s alone, far more beside a CPU hog), so they get a wide margin
+    assert stopped_after < 10 + 5 + 120
     print(f"fault: engine gone, run stopped {stopped_after:.1f} s after the cut")
     logged = [m["step"] for m in steps(tmp_path)]
     assert logged and (tmp_path / "run" / f"checkpoint-{logged[-1]}").exists()  # the last step is kept
