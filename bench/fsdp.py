@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fsdp.py [--scales 0.125 0.25]
 
-One trainer step (`_train_on`: pack, micro-batched tree forward/backward, the trust region's measuring forward,
+One trainer step (`trainer.policy.step`: pack, micro-batched tree forward/backward, the trust region's measuring forward,
 AdamW) on a G = 8 group shaped like opencode's (bench/scale.py: a shared prompt, then turns of 100 sampled and 400
 tool tokens), at each scale and twice that, for: `one` (a single process) and `fsdp` (2 ranks under torchrun,
 `--distributed fsdp`, each packing half the rollouts). Printed: unique tokens, step time, peak RSS per rank, and
@@ -39,7 +39,7 @@ STEP = textwrap.dedent("""
     trainer = HarnessAsyncGRPOTrainer(str(ensure_tiny_model()), lambda sampling: None, AsyncGRPOConfig(
         output_dir=out, distributed=distributed, max_tokens_per_microbatch=8192), [Task.__new__(Task)])
     started = time.perf_counter()
-    metrics = trainer._train_on(trainer.score([records]))
+    metrics = trainer.policy.step(trainer.score([records]), 0)
     seconds = time.perf_counter() - started
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     with open(f"{out}/rank{trainer.rank}.json", "w") as f:

@@ -10,7 +10,7 @@ recipe collapses needs many seeds and variants. This loop keeps what decides lea
                  second call (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); a malformed first call ends it
     reward       1 when the first tool call is exactly `echo WORD > FILE` and the second redirects nothing (an
                  `echo COMPLETE... > FILE` overwrites the answer, and the real verifier then scores 0)
-    the step     HarnessAsyncGRPOTrainer._train_on itself (advantages, packing, loss, schedule, optimizer)
+    the step     the trainer's own policy.step itself (advantages, packing, loss, schedule, optimizer)
     staleness    a group is trained `--delay` steps after it was sampled (the proof keeps 2 groups in flight)
 
     python bench/grpo_toy.py --proof runs/demo --seeds 0 1 2 3 4 --variant old --variant new
@@ -213,7 +213,7 @@ def run(model_dir: Path, train: dict, outputs: dict, heldout: dict, fields: dict
                     groups.append(records)
                 queue.append(groups)
             if step >= delay:
-                metrics = trainer._train_on(trainer.score(queue.pop(0)))
+                metrics = trainer.policy.step(trainer.score(queue.pop(0)), trainer.step)
                 trainer.step += 1
                 trainer.history.append(metrics)
                 history.append(metrics)

@@ -5,10 +5,14 @@ timing would decide; each says so where it is used.
   StubHandler   a stub HTTP server's handler
   Link          a TCP hop in front of a real server, which the test can cut, stall, or pause mid-stream
   wait_until    wait on a condition the test controls (never on the machine's speed: bounds are generous)
+  ScriptedSessions, StubPolicy, StubSync   the trainer's collaborators (a session factory, the policy, the
+                engine sync) with no agent, model or engine: the loop's own tests (tests/test_loop.py)
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import threading
 import time
@@ -139,3 +143,162 @@ def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.1):
             return value
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# ---- the trainer's collaborators as stubs: the loop (training/trainer.py) run with no engine, model or agent ----
+
+def scripted_turns(prompt: list[int], completion: list[int], version: int, logp: float = -2.0) -> list[dict]:
+    """One captured turn in the trace's wire form, as the proxy exports it (training/packing.py reads it)."""
+    return [{"node_id": "n0", "prompt_token_ids": prompt, "completion_token_ids": completion,
+             "per_token_logps": [logp] * len(completion), "loss_mask": [0] * len(prompt) + [1] * len(completion),
+             "metadata": {"policy_version": version}}]
+
+
+class ScriptedSession:
+    """A RolloutSession (rollouts/session.py) that runs no agent: its turns and reward are given. `hold` keeps it
+    running until the test sets the event (or the trainer cancels it): an agent still at work, with no clock."""
+    end_reason, environment, error, timed_out, timeout_s = "", None, None, False, 60.0
+
+    def __init__(self, episode_id: str, turns: list[dict], reward: float | None, hold: threading.Event | None):
+        from harness_trainer.agents.base import AgentReport
+
+        self.episode_id, self.turns, self.reward = episode_id, turns, reward
+        self.report, self.cancelled = AgentReport(), False
+        self.hold = hold
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        while self.hold is not None and not self.cancelled and not self.hold.wait(0.05):
+            pass
+        return 0
+
+    def fetch_training_trace(self):
+        from openenv.core.harness.training import TrainingTrace
+
+        return TrainingTrace.model_validate({"turns": self.turns})
+
+    def proxy_stops(self) -> list[str]:
+        return []
+
+    def rollout_calls(self) -> list[dict]:
+        return []
+
+    def verify(self, transcript=None, final_state=None):
+        from openenv.core.harness.rollout import VerifyResult
+
+        return VerifyResult(env_reward=self.reward, done=True, metrics={"verifier": "scripted"})
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedSessions:
+    """A SessionFactory (rollouts/session.py) of ScriptedSessions. `script(task, index, episode_id, version)`
+    gives a rollout's (turns, reward); `version()` is the policy version the proxy would stamp on its turns now;
+    tasks named in `held` run until their event is set or they are cancelled. Called with the trainer's sampling
+    policy, as a partial of LocalSessionFactory is."""
+
+    def __init__(self, script, version=lambda: 0, held: dict[str, threading.Event] | None = None):
+        self.script, self.version, self.held = script, version, held or {}
+        self.sampling = None
+        self.created: list[str] = []
+
+    def __call__(self, sampling):
+        self.sampling = sampling
+        return self
+
+    def create(self, task, seed: int | None = None, episode_id: str | None = None) -> ScriptedSession:
+        index = int(episode_id.rsplit("-", 1)[1])
+        turns, reward = self.script(task, index, episode_id, self.version())
+        self.created.append(episode_id)
+        return ScriptedSession(episode_id, turns, reward, self.held.get(task.name))
+
+
+class StubPolicy:
+    """A TrainablePolicy (training/protocols.py) with no model: a step records the groups it was given and says
+    how many tokens it would train; a checkpoint holds the steps taken."""
+    model, peft, model_dir, rank, world_size = None, None, None, 0, 1
+
+    def __init__(self):
+        import torch
+
+        self.dtype = torch.float32
+        self.steps: list[tuple[int, list[str]]] = []  # (step, the episode ids trained on)
+        self.restored: dict | None = None
+        self.leading = False
+
+    def step(self, groups: list, step: int) -> dict:
+        self.steps.append((step, [r.episode_id for records in groups for r in records]))
+        tokens = sum(len(t["completion_token_ids"]) for records in groups for r in records
+                     for t in (r.training_trace or {}).get("turns", []))
+        return {"trained_tokens": tokens, "loss": 0.0}
+
+    def together(self, work: str):
+        raise AssertionError("one rank: nothing to gather")
+
+    def full_weights(self):
+        return None
+
+    def optimizer_state(self) -> dict:
+        return {"steps": len(self.steps)}
+
+    def probe_logits(self):
+        raise AssertionError("the stub sync never probes")
+
+    def save_model(self, path):
+        from pathlib import Path
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "policy.json").write_text(json.dumps(self.steps))
+        return Path(path)
+
+    save_policy = save_model
+
+    def restore(self, path, optimizer_state: dict) -> None:
+        self.restored = {"path": str(path), "optimizer": optimizer_state}
+
+    @contextlib.contextmanager
+    def lead(self):
+        self.leading = True
+        try:
+            yield
+        finally:
+            self.leading = False
+
+
+class StubSync:
+    """An EngineSync (training/protocols.py) with no engine: each sync moves the version on and is recorded;
+    `stop_at` makes ensure_services (a service gone) or sync_weights (a failed sync) stop the run at that step."""
+
+    def __init__(self, stop_services_at: int | None = None, stop_sync_at: int | None = None):
+        self.version, self.last_probe_gap = 0, 0.0
+        self.synced: list[int] = []  # the step at each sync
+        self.stop_services_at, self.stop_sync_at = stop_services_at, stop_sync_at
+        self.closed = False
+
+    def sync_weights(self, step: int) -> float:
+        from harness_trainer._exceptions import TrainingStopped
+
+        if step == self.stop_sync_at:
+            raise TrainingStopped(f"weight sync at step {step} failed: the stub was told to fail")
+        self.synced.append(step)
+        self.version += 1
+        return 0.0
+
+    def ensure_services(self, step: int) -> bool:
+        from harness_trainer._exceptions import TrainingStopped
+
+        if step == self.stop_services_at:
+            raise TrainingStopped("the engine at stub has not answered for 5 s. Start it again, then resume")
+        return False
+
+    def engine_metrics(self) -> dict:
+        return {}
+
+    def take_recovered(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        self.closed = True

@@ -35,7 +35,7 @@ STEP = textwrap.dedent("""
     trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: None, AsyncGRPOConfig(
         output_dir=out + "/run", learning_rate=1e-2, beta=0.1), [Task.__new__(Task)])
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    metrics = trainer._train_on(trainer.score([records]))
+    metrics = trainer.policy.step(trainer.score([records]), 0)
     metrics["moved"] = max(float((v - before[k]).abs().max()) for k, v in trainer.model.state_dict().items())
     if trainer.rank == 0:
         grads = {name: p.grad for name, p in trainer.model.named_parameters()}

@@ -13,9 +13,9 @@ import torch
 
 RUN = textwrap.dedent("""
     import sys, torch
-    from harness_trainer.rollouts.session import HarnessRolloutOutcome, RolloutRecord
-    from harness_trainer.rollouts.tasks import Task
-    from harness_trainer.training.distributed import broadcast, end_process
+    sys.path.insert(0, "tests")  # the scripted session factory: rollouts with given turns, no agent, no engine
+    from stubs import ScriptedSessions
+    from harness_trainer.training.distributed import end_process
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     model, out, distributed, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] != "-"
@@ -24,35 +24,24 @@ RUN = textwrap.dedent("""
                 "per_token_logps": [logp] * len(completion), "loss_mask": [0] * len(prompt) + [1] * len(completion),
                 "metadata": {"policy_version": 0}}
     system = [1, 50, 60, 70, 80, 90, 100, 2]
-    def group(seed):
+    def rollout(task, i, episode, version):  # the group of step s (its episodes are named s{s}-...) differs by s
+        seed = int(episode.split("-")[0][1:])
         traces = [[turn("a", system + [11 + seed], [300, 301, 302]), turn("b", system + [11 + seed, 300, 301, 302, 7], [303])],
                   [turn("c", system + [11 + seed], [400, 401 + seed])],
                   [turn("d", system + [12], [500, 501, 502, 503 + seed])]]
-        return [RolloutRecord("t", f"e{i}", HarnessRolloutOutcome(reward, [], [], 0, 0, {}, False), "ok",
-                              training_trace={"turns": turns}, policy_versions=[0])
-                for i, (turns, reward) in enumerate(zip(traces, [1.0, 0.0, 0.5]))]
-    trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: None, AsyncGRPOConfig(
-        output_dir=out, learning_rate=1e-2, beta=0.1, distributed=distributed, save_steps=1,
-        resume_from_checkpoint=out + "/checkpoint-1" if resume else None), [Task.__new__(Task)])
-    if trainer.rank:
-        trainer._follow()
-    else:  # rank 0's side of the loop: broadcast the groups, train, save; then the final weights
-        trainer.policy.leading = True
-        metrics = []
-        for seed in ([1] if resume else [0, 1]):
-            groups = trainer.score([group(seed)])  # rank 0 scores, as the rollout pool does, then broadcasts
-            if trainer.world_size > 1:
-                broadcast(groups)
-            metrics.append(trainer._train_on(groups))
-            trainer.step += 1
-            if trainer.step == 1:
-                trainer._save()
-        weights = trainer.policy.full_weights() or trainer.model.state_dict()
+        return traces[i], [1.0, 0.0, 0.5][i]
+    class Task:
+        name, agent_timeout_s = "t", 60.0
+    # the real loop on every rank: rank 0 collects the scripted groups and hands them over, the others follow
+    trainer = HarnessAsyncGRPOTrainer(model, ScriptedSessions(rollout), AsyncGRPOConfig(
+        output_dir=out, learning_rate=1e-2, beta=0.1, distributed=distributed, save_steps=1, max_steps=2,
+        num_generations=3, max_concurrent_rollouts=3,
+        resume_from_checkpoint=out + "/checkpoint-1" if resume else None), [Task()])
+    metrics = trainer.train()
+    weights = trainer.policy.full_weights() or trainer.model.state_dict()  # every rank: FSDP gathers
+    if trainer.rank == 0:
         torch.save({"metrics": metrics, "weights": {k: v.detach().cpu() for k, v in weights.items()}},
                    out + ("/resumed.pt" if resume else "/result.pt"))
-        trainer.policy.leading = False
-        if trainer.world_size > 1:
-            broadcast(None)
     trainer.save_model(out + "/final")  # every rank: with FSDP the gather needs them all
     end_process(0)  # every rank ends here, not in the interpreter's finalization (training/distributed.py)
 """)
@@ -61,8 +50,9 @@ RUN = textwrap.dedent("""
 def _run(script: Path, ranks: int, *args: str) -> None:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)] if ranks > 1 else \
         [sys.executable]
-    subprocess.run([*launcher, str(script), *args], check=True, timeout=300, cwd=Path(__file__).parents[1],
-                   capture_output=True)
+    done = subprocess.run([*launcher, str(script), *args], timeout=300, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def test_fsdp_two_ranks_match_one_and_resume_exactly(tiny_model_dir, tmp_path):

@@ -60,14 +60,14 @@ def _group(task: str, rewards: list[float], token: int) -> list[RolloutRecord]:
 
 def test_two_groups_in_one_step_each_with_its_own_advantages(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, groups_per_step=2)
-    metrics = trainer._train_on(trainer.score([_group("a", [1.0, 0.0], 300), _group("b", [1.0, 1.0], 400)]))
+    metrics = trainer.policy.step(trainer.score([_group("a", [1.0, 0.0], 300), _group("b", [1.0, 1.0], 400)]), 0)
     # b's rewards are all equal: it is counted, and only a's two rollouts (2 tokens each) are trained
     assert metrics["groups"] == 2 and metrics["zero_variance_groups"] == 1 and not metrics["zero_variance"]
     assert metrics["trained_tokens"] == 4 and metrics["rollouts"] == 4 and metrics["reward_mean"] == 0.75
     assert metrics["completion_tokens_mean"] == 2 and "entropy" in metrics and "behaviour_clip_frac" in metrics
     # the same step with the groups one at a time, from the same weights: one step of two groups differs
     alone = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3)
-    assert alone._train_on(alone.score([_group("a", [1.0, 0.0], 300)]))["trained_tokens"] == 4
+    assert alone.policy.step(alone.score([_group("a", [1.0, 0.0], 300)]), 0)["trained_tokens"] == 4
 
 
 def test_black_box_runs_take_several_reward_functions(tiny_model_dir, tmp_path, monkeypatch):
@@ -82,7 +82,7 @@ def test_black_box_runs_take_several_reward_functions(tiny_model_dir, tmp_path, 
         output_dir=str(tmp_path / "run"), learning_rate=1e-3), [Task.__new__(Task)],
         rollout_reward_fn="verifier+tools", reward_funcs=[solved, brevity])
     group = _group("a", [1.0, 0.0], 300)
-    metrics = trainer._train_on(trainer.score([group]))
+    metrics = trainer.policy.step(trainer.score([group]), 0)
     assert group[0].reward_terms == {"solved": 1.0, "brevity": -0.02, "verifier_with_tool_bonus": 1.3}
     assert group[0].reward == pytest.approx(2.28) and group[1].reward == pytest.approx(-0.02)
     assert metrics["rewards/solved/mean"] == 0.5 and metrics["rewards/brevity/mean"] == pytest.approx(-0.02)
@@ -119,11 +119,11 @@ def test_step_kl_bound_halves_a_step_that_moves_the_policy_too_far(tiny_model_di
     """A fresh batch (behaviour = current policy): no ratio clip can bind, the step bound must."""
     groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
     free = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=None, step_clip=None)
-    unbounded = free._train_on(free.score(groups()))
+    unbounded = free.policy.step(free.score(groups()), 0)
     assert "step_scale" not in unbounded
     bounded_trainer = _trainer(tiny_model_dir, tmp_path, learning_rate=3e-3, max_step_kl=0.01, step_clip=None)
     before = {k: v.clone() for k, v in bounded_trainer.model.state_dict().items()}
-    bounded = bounded_trainer._train_on(bounded_trainer.score(groups()))
+    bounded = bounded_trainer.policy.step(bounded_trainer.score(groups()), 0)
     assert bounded["step_kl_unbounded"] > 0.01 >= bounded["step_kl"] and bounded["step_scale"] < 1
     # the bounded model is the old one moved by step_scale times the full step (the unbounded trainer's)
     for name, value in bounded_trainer.model.state_dict().items():
@@ -136,13 +136,13 @@ def test_step_clip_bounds_every_token(tiny_model_dir, tmp_path, mode):
     """The per-token bound: a step whose mean KL is fine can still move one token's probability too far."""
     groups = lambda: [_group("a", [1.0, 0.0, 0.0, 0.0], 300)]  # noqa: E731
     free = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=None)
-    unbounded = free._train_on(free.score(groups()))
+    unbounded = free.policy.step(free.score(groups()), 0)
     assert "step_scale" not in unbounded
     # the random tiny model's tokens are rare (p ~ 4e-4; this step moves one x3.4, by 1e-3): 2e-4 binds
     clip = 0.2 if mode == "ratio" else 2e-4
     clipped = _trainer(tiny_model_dir, tmp_path, learning_rate=1e-3, max_step_kl=None, step_clip=clip,
                        step_clip_mode=mode)
-    bounded = clipped._train_on(clipped.score(groups()))
+    bounded = clipped.policy.step(clipped.score(groups()), 0)
     assert 0 < bounded["step_scale"] < 1 and not bounded["step_skipped"]
     if mode == "ratio":
         assert bounded["step_ratio_max_unbounded"] > 1.2 or bounded["step_ratio_min_unbounded"] < 0.8

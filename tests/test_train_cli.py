@@ -162,7 +162,8 @@ def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
         assert main(flags + extra) == 1
     err = capsys.readouterr().err
     assert err.startswith("harness-train: ") and says in err, err
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not started, [" ".join(p.cmdline()) for p in started]
     assert not (tmp_path / "run").exists()
 
 

@@ -235,16 +235,3 @@ def test_reward_rises_from_the_random_tiny_model(tmp_path):
     # best 5-step stretch after it is far above. Not a window the trainer could beat by learning early.
     best = max(sum(rewards[i:i + 5]) / 5 for i in range(1, len(rewards) - 4))
     assert rewards[0] < 0.2 and best > rewards[0] + 0.5, rewards
-
-
-def test_dataset_order_is_shuffled_per_pass_and_resumes_from_the_cursor(tiny_model_dir, tmp_path):
-    tasks = [f"task-{i}" for i in range(6)]  # the order logic never looks inside a task
-    make = lambda: HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: None,  # noqa: E731
-                                           AsyncGRPOConfig(output_dir=str(tmp_path), seed=3), tasks)
-    first = make()
-    order = [first._next_task() for _ in range(12)]
-    assert sorted(order[:6]) == sorted(order[6:]) == sorted(tasks)  # every pass sees every task once
-    assert order[:6] != tasks and order[:6] != order[6:]  # shuffled, and differently each pass
-    resumed = make()
-    resumed.task_cursor = 7  # as restored from a checkpoint
-    assert [resumed._next_task() for _ in range(5)] == order[7:12]

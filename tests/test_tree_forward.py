@@ -221,7 +221,7 @@ def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda policy: None, AsyncGRPOConfig(
         output_dir=str(tmp_path / "train"), num_generations=8, max_tokens_per_microbatch=16_384), ["unused"])
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    metrics = trainer._train_on(trainer.score([records]))
+    metrics = trainer.policy.step(trainer.score([records]), 0)
     assert metrics["trained_tokens"] > 0 and metrics["microbatches"] > 1
     assert metrics["tree_tokens"] < metrics["row_tokens"] and 10 * metrics["tree_tokens"] < per_turn
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -41,10 +41,12 @@ class EvalConfig(RolloutConfig):
                                              "capitalised), exact per task")
     output_dir: str = option("runs/eval", "where traces and rollout records go")
 
-    def __post_init__(self):
-        super().__post_init__()
+    def check(self) -> None:
+        super().check()
         if self.policy not in ("model", "oracle"):
             raise ConfigError(f"unknown --policy '{self.policy}': choose model or oracle")
+        if self.environment and self.policy != "model":
+            raise ConfigError("--policy oracle replays Harbor tasks' solutions; an --environment has none")
 
 
 @dataclass
@@ -85,6 +87,7 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
 
 def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:
     from harness_trainer.models.hub import model_or_default
+    from harness_trainer.proxy.capture import SamplingPolicy
     from harness_trainer.rollouts.pool import RolloutPool
     from harness_trainer.rollouts.rewards import score_group
     from harness_trainer.rollouts.services import run_services
@@ -92,14 +95,11 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
 
     environment, reward_funcs = None, []
     if cfg.environment:  # white-box: the rows are the tasks, the reward functions the verifier
-        from harness_trainer.rollouts.environments import EnvironmentContractError, load_object, load_rows
+        from harness_trainer.rollouts.environments import load_object, load_rows
         from harness_trainer.rollouts.rewards import resolve_reward_funcs
 
-        if cfg.policy != "model":
-            raise EnvironmentContractError("--policy oracle replays Harbor tasks' solutions; an --environment has none")
+        cfg.check()  # a config changed after it was made: the white-box rules (EvalConfig.check)
         environment, reward_funcs = load_object(cfg.environment, "--environment"), resolve_reward_funcs(cfg.reward_funcs)
-        if not reward_funcs:
-            raise EnvironmentContractError("--environment needs --reward-funcs module:f[,module:g] to score its episodes")
         tasks = load_rows(cfg.dataset)[: cfg.limit]
     else:
         tasks = load_dataset(cfg.dataset, cfg.skip_invalid_tasks)[: cfg.limit]
@@ -116,7 +116,8 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
     with run_services(cfg, out, model=model, environment=environment, rollouts_dir=out,
                       oracle_tasks=tasks if cfg.policy == "oracle" else None,
                       oracle_mistake_rate=cfg.oracle_mistake_rate) as services:
-        factory = services.session_factory({"temperature": cfg.temperature, "max_tokens_cap": cfg.max_completion_tokens})
+        factory = services.session_factory(SamplingPolicy(temperature=cfg.temperature,
+                                                          max_tokens_cap=cfg.max_completion_tokens))
         # white-box: a task's rollouts are scored together, as a training group is; black-box: the verifier's
         score = (lambda group, task: score_group(group, reward_funcs, None, task.row)) if environment else None
         total = len(tasks) * cfg.num_generations

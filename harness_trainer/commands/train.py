@@ -46,16 +46,17 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
     teacher_model: str | None = option(None, "on-policy distillation: the teacher's model folder or Hub id, served "
                                              "by an engine of its own (or attach one: --teacher-url)")
 
-    def __post_init__(self):
-        super().__post_init__()  # the trainer's and the rollouts' checks
+    def scores_episodes(self) -> bool:
+        return bool(self.reward_funcs or self.reward)
+
+    def check(self) -> None:
+        """The trainer's rules and the rollouts' (AsyncGRPOConfig.check, RolloutConfig.check), then the run's."""
+        super().check()
         if self.teacher_model and self.teacher_url:
             raise ConfigError("give --teacher-model (an engine is started for it) or --teacher-url (one you run), "
                               "not both")
         if self.report_to not in ("trackio", "wandb", "none"):
             raise ConfigError(f"--report-to {self.report_to}: choose trackio, wandb or none")
-        if self.environment and not (self.reward_funcs or self.reward):
-            raise ConfigError("--environment needs --reward-funcs module:f[,module:g]: functions f(environments, "
-                              "**kwargs) returning one reward (or None) per environment")
 
 
 FIELDS = fields_of(TrainRunConfig, skip=("vllm_server_base_url",))  # the engine's URL is --vllm-url
@@ -223,6 +224,10 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
         make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
     tasks = environment[1] if environment else load_dataset(cfg.dataset, cfg.skip_invalid_tasks)
     model = model_or_default(cfg.model, cfg.model_revision)  # a Hub id is downloaded once, into the Hub cache
+    if cfg.use_peft:  # the adapter's modules exist in this model (read from its config: no weights loaded)
+        from harness_trainer.training.lora import check_lora_targets
+
+        check_lora_targets(model.path, cfg.lora_target_modules)
     if environment is None:  # what is missing (credentials, daemon, URL), tasks refused, images built
         check_task_sandboxes(cfg, tasks, Path(cfg.output_dir) / "builds")
     reward_fn, reward_funcs = resolve_rewards(cfg.reward, cfg.reward_funcs)

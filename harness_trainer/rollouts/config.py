@@ -62,10 +62,33 @@ class RolloutConfig:
                                              "refuse it, listing every problem)")
 
     def __post_init__(self):
+        self._prepare()
+        self.check()
+
+    def _prepare(self) -> None:
+        """Values as the flags and YAML give them, in their field's form (checked after, by check())."""
         if isinstance(self.vllm_url, str):  # one URL (the Python API, a YAML value), or "URL,URL"
             self.vllm_url = [u.strip() for u in self.vllm_url.split(",") if u.strip()]
+
+    def scores_episodes(self) -> bool:
+        """A white-box run has reward functions to score its episodes (a run's config adds --reward)."""
+        return bool(self.reward_funcs)
+
+    def check(self) -> None:
+        """Every rule of these settings, once: the CLI and the Python API refuse the same values in the same
+        words (a ConfigError naming the flag)."""
+        check_white_box(bool(self.environment), self.scores_episodes())
         if self.engines < 1:
             raise ConfigError(f"--engines {self.engines}: give 1 or more")
         if self.engines > 1 and self.vllm_url:
             raise ConfigError("--engines launches engines and --vllm-url attaches to running ones: give one of them "
                               "(repeat --vllm-url for several running engines)")
+
+
+def check_white_box(environment: bool, scored: bool, what: str = "--environment",
+                    how: str = "--reward-funcs module:f[,module:g]") -> None:
+    """A white-box environment has no verifier: its episodes are scored by reward functions, or not at all. The
+    one rule behind the run's and eval's configs and the trainer's own arguments (environment_factory)."""
+    if environment and not scored:
+        raise ConfigError(f"{what} needs {how}: functions f(environments, **kwargs) returning one reward (or None) "
+                          "per environment")

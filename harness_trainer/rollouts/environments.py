@@ -45,8 +45,9 @@ from openenv.core.harness.rollout import VerifyResult
 
 from harness_trainer._exceptions import EnvironmentContractError, ModelCallError
 from harness_trainer.agents.base import AgentReport
+from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.rollouts.session import CapturedSession
+from harness_trainer.rollouts.session import CapturedSession, sampling_policy
 
 SCORED_WITH_GROUP = "scored by the reward functions with its group"
 
@@ -187,10 +188,8 @@ class EnvironmentSession(CapturedSession):
     def __init__(self, factory: EnvironmentSessionFactory, task: EnvironmentTask, episode_id: str):
         self.factory, self.task, self.episode_id = factory, task, episode_id
         self.capture: dict | None = None
-        self.environment = None
         self.report = AgentReport()
         self.error: str | None = None  # why it cannot be scored
-        self.end_reason = ""  # why it ended, when not by the model's own choice
         self.cancelled = self.timed_out = False
         self._thread: threading.Thread | None = None
 
@@ -253,7 +252,7 @@ class EnvironmentSession(CapturedSession):
         """One chat completion through this session's capture proxy; transport errors retried (a restarting
         proxy keeps its sessions), refusals not."""
         body = {"model": self.capture["model"], "messages": messages, "tools": tools, "max_tokens": max_tokens,
-                "temperature": self.factory.sampling.get("temperature", 1.0)}
+                "temperature": self.factory.sampling.temperature}
         for attempt in range(4):
             try:
                 response = self.factory.http.post(
@@ -303,15 +302,15 @@ class EnvironmentSessionFactory:
     """Builds white-box rollouts. Called by the trainer with its sampling policy, like LocalSessionFactory:
     `partial(EnvironmentSessionFactory, proxy=..., environment_factory=Wordle)`."""
 
-    def __init__(self, sampling: dict | None = None, *, proxy: ProxyClient, environment_factory,
+    def __init__(self, sampling: SamplingPolicy | dict | None = None, *, proxy: ProxyClient, environment_factory,
                  max_tool_calling_iterations: int | None = None, max_completion_length: int = 1024,
                  max_tokens: int | None = None, agent_timeout_s: float | None = None,
                  output_dir: str | Path | None = None):
         check_environment(environment_factory)
-        self.sampling = dict(sampling or {})
+        self.sampling = sampling_policy(sampling)
         self.proxy, self.environment_factory = proxy, environment_factory
         self.max_tool_calling_iterations, self.max_completion_length = max_tool_calling_iterations, max_completion_length
-        self.max_tokens = max_tokens or self.sampling.get("max_tokens_cap") or max_completion_length
+        self.max_tokens = max_tokens or (self.sampling.max_tokens_cap if sampling else None) or max_completion_length
         self.agent_timeout_s = agent_timeout_s
         self.output_dir = Path(output_dir) if output_dir else None
         # the proxy's own bound: one call per tool round, plus the answer that ends the episode

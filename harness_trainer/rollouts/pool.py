@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 from harness_trainer._exceptions import CaptureContractError
 from harness_trainer.rollouts.records import write_record
-from harness_trainer.rollouts.session import RolloutRecord, run_rollout
+from harness_trainer.rollouts.session import RolloutRecord, cancelled_record, run_rollout
 
 log = logging.getLogger("harness_trainer")
 
@@ -53,6 +53,7 @@ class Group:
     task: object  # a Task, or a white-box dataset row
     futures: list[Future]
     launched: int  # the policy version when it was launched
+    episodes: list[str] = field(default_factory=list)  # each rollout's episode id, in the futures' order
     sessions: GroupSessions = field(default_factory=GroupSessions)
     records: list[RolloutRecord] = field(default_factory=list)  # filled when collected
 
@@ -83,9 +84,9 @@ class RolloutPool:
 
     def launch(self, task, n: int, episode: str, version: int = 0) -> Group:
         """n rollouts of `task`, named `{episode}-{i}`."""
-        group = Group(task, [], version)
-        group.futures = [self.executor.submit(run_rollout, self.factory, task, f"{episode}-{i}", group.sessions.add)
-                         for i in range(n)]
+        group = Group(task, [], version, episodes=[f"{episode}-{i}" for i in range(n)])
+        group.futures = [self.executor.submit(run_rollout, self.factory, task, name, group.sessions.add)
+                         for name in group.episodes]
         if self.on_launch:
             self.on_launch(n)
         if self.on_rollout:
@@ -120,7 +121,10 @@ class RolloutPool:
 
     def _collect(self, group: Group) -> None:
         records = []
-        for future in group.futures:
+        for future, episode in zip(group.futures, group.episodes):
+            if future.cancelled():  # stopped before it started: counted as cancelled like a running one
+                records.append(cancelled_record(group.task.name, episode))
+                continue
             try:
                 records.append(future.result())
             except CaptureContractError:

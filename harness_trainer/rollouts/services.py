@@ -32,7 +32,7 @@ from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL
 class Services:
     engine: VLLMServer
     proxy: ProxyServer
-    session_factory: Callable  # sampling policy (dict) -> the factory of rollout sessions (Local- or Environment-)
+    session_factory: Callable  # SamplingPolicy -> the factory of rollout sessions (session.py: SessionFactory)
     supervisor: Supervisor | None = None
 
 

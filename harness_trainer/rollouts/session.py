@@ -25,8 +25,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
@@ -35,6 +36,7 @@ from harness_trainer._exceptions import CaptureContractError
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
 from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError
 from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
+from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.rollouts.tasks import Task
@@ -77,9 +79,48 @@ class RolloutRecord:
     #                                                                         its group is scored (not saved)
 
 
-def _truncation(session, stops: list[str], trace) -> str:
+class RolloutSession(Protocol):
+    """What run_rollout needs of one rollout's session (LocalSession: an agent in a sandbox; EnvironmentSession:
+    a white-box episode; a test's stub). Set by the session: `error` (why it cannot be scored), `cancelled`,
+    `timed_out`, `report` (the agent's own account: agents/harnesses.py AgentReport), `end_reason` (a limit that
+    ended a white-box episode, else ""), `environment` (a white-box episode's instance, else None)."""
+    episode_id: str
+    error: str | None
+    cancelled: bool
+    report: AgentReport
+    end_reason: str
+    environment: object
+
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def timed_out(self) -> bool: ...
+    def wait_for_completion(self, timeout_s: float | None = None) -> int: ...
+    def fetch_training_trace(self) -> TrainingTrace: ...
+    def proxy_stops(self) -> list[str]: ...
+    def rollout_calls(self) -> list[dict]: ...
+    def verify(self, transcript: list | None = None, final_state=None) -> VerifyResult: ...
+    def cancel(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class SessionFactory(Protocol):
+    """Makes the rollout sessions of a run; `sampling` is what every session's capture lets the agent choose.
+    The trainer and eval receive a callable `SamplingPolicy -> SessionFactory` (a partial of
+    LocalSessionFactory or EnvironmentSessionFactory) and call it once with their sampling policy."""
+    sampling: SamplingPolicy
+
+    def create(self, task, seed: int | None = None, episode_id: str | None = None) -> RolloutSession: ...
+
+
+def sampling_policy(sampling: SamplingPolicy | dict | None) -> SamplingPolicy:
+    """A factory's sampling policy: the object, or OpenEnv's dict of it (training, temperature, max_tokens_cap)."""
+    return sampling if isinstance(sampling, SamplingPolicy) else SamplingPolicy.from_dict(sampling)
+
+
+def _truncation(session: RolloutSession, stops: list[str], trace) -> str:
     """Why a limit ended the rollout before the agent did (mask_truncated_completions leaves it out of the loss)."""
-    if getattr(session, "end_reason", ""):  # a white-box episode's limits
+    if session.end_reason:  # a white-box episode's limits
         return session.end_reason
     if session.timed_out:
         return f"time limit ({session.timeout_s:.0f} s)"
@@ -94,6 +135,8 @@ class CapturedSession:
     """What every session does with its capture session on the proxy (needs factory.proxy, factory.sampling,
     factory.max_model_calls, factory.agent_timeout_s, task, episode_id, capture, error): open it, read back the
     trace, the clean stops and the rollout graph, delete it."""
+    end_reason = ""  # a white-box episode sets why its limits ended it
+    environment = None  # a white-box episode's instance
 
     @property
     def timeout_s(self) -> float:
@@ -104,7 +147,7 @@ class CapturedSession:
         f = self.factory
         try:
             self.capture = f.proxy.create_session(
-                policy=f.sampling, max_model_calls=f.max_model_calls,
+                policy=asdict(f.sampling), max_model_calls=f.max_model_calls,
                 metadata={"task": self.task.name, "episode_id": self.episode_id})
         except Exception as exc:  # transport
             self.error = f"could not create a capture session: {exc}"
@@ -226,15 +269,15 @@ class LocalSession(CapturedSession):
 class LocalSessionFactory:
     """Builds rollouts that run an agent harness in a sandbox against a capture proxy.
 
-    Called by the trainer with its sampling policy (a dict: temperature, max_tokens_cap), so pass it as
+    Called by the trainer with its sampling policy (a SamplingPolicy, or OpenEnv's dict of it), so pass it as
     `partial(LocalSessionFactory, proxy=..., harness=...)`."""
 
-    def __init__(self, sampling: dict | None = None, *, proxy: ProxyClient, harness: str | Harness = "mini-swe-agent",
+    def __init__(self, sampling: SamplingPolicy | dict | None = None, *, proxy: ProxyClient, harness: str | Harness = "mini-swe-agent",
                  sandbox: str = "local", output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
                  agent_timeout_s: float | None = None, max_model_calls: int | None = None,
                  reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None,
                  agent_config: str | None = None, upload_solution: bool = False):
-        self.sampling = dict(sampling or {})
+        self.sampling = sampling_policy(sampling)
         self.proxy = proxy
         self.harness = make_harness(harness, agent_command, agent_config) if isinstance(harness, str) else harness
         self.harness.check_installed()
@@ -278,7 +321,15 @@ def _exit_reason(code: int) -> str:
     return f"the agent exited with code {code}{killed}; its workspace was verified as it stood"
 
 
-def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None = None,
+def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:
+    """A rollout the trainer stopped (or never started) because it could no longer finish in time: not verified,
+    not trained, but written and counted."""
+    return RolloutRecord(task=task, episode_id=episode_id, outcome=HarnessRolloutOutcome(None, [], [], 0, 0, {}, False),
+                         status="cancelled", reason="cancelled: it could no longer finish within max_staleness",
+                         **fields)
+
+
+def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = None,
                 on_session=None) -> RolloutRecord:
     """Create, wait, fetch, verify, close; classify the ending. Raises CaptureContractError only.
     `on_session(session)` is called once the agent runs (the trainer keeps it to cancel stale work)."""
@@ -289,10 +340,8 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
     try:
         exit_code = session.wait_for_completion(session.timeout_s + 60)
         if session.cancelled:
-            outcome = HarnessRolloutOutcome(None, [], [], 0, 0, {}, False)
-            return RolloutRecord(task=task.name, episode_id=session.episode_id, outcome=outcome, status="cancelled",
-                                 reason="cancelled: it could no longer finish within max_staleness",
-                                 agent_exit=exit_code, seconds=time.perf_counter() - started)
+            return cancelled_record(task.name, session.episode_id, agent_exit=exit_code,
+                                    seconds=time.perf_counter() - started)
         trace, reason = None, session.error or ""
         if not session.error:
             try:
@@ -309,10 +358,10 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             reason = "stopped by the capture proxy: " + "; ".join(stops)
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
             reason = _exit_reason(exit_code)
-        reason = reason or getattr(session, "end_reason", "")  # a white-box episode cut by its limits
+        reason = reason or session.end_reason  # a white-box episode cut by its limits
         truncated = _truncation(session, stops, trace)
         verified = session.verify(session.report.completion)
-        calls = session.rollout_calls() if hasattr(session, "rollout_calls") else []
+        calls = session.rollout_calls()
         if session.error or lost:
             status = "unscorable"
         elif verified.env_reward is None and not verified.metrics.get("scored_later"):
@@ -333,6 +382,6 @@ def run_rollout(factory: LocalSessionFactory, task: Task, episode_id: str | None
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
             verifier_rewards=dict(verified.metrics.get("verifier_rewards") or {}),
             calls=calls, truncated=truncated, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
-            environment=getattr(session, "environment", None))
+            environment=session.environment)
     finally:
         session.close()

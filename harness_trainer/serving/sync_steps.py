@@ -10,6 +10,13 @@ from harness_trainer._exceptions import WeightSyncError
 RELOAD, LORA, NCCL, IPC = "reload", "lora", "nccl", "ipc"  # every weight_sync_backend's name, defined here once
 GPU_BACKENDS = (NCCL, IPC)  # GPU to GPU on vLLM's weight-transfer engines (gpu_sync.py)
 BACKENDS = (RELOAD, LORA, *GPU_BACKENDS)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+
+
+def lora_rank_served(rank: int) -> int | None:
+    """The --max-lora-rank an engine needs to serve adapters of `rank` (the next value vLLM accepts), or None
+    when vLLM serves none that large (the run's config refuses it before anything starts)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
 
 
 def post_step(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Response:

@@ -53,6 +53,12 @@ class Teacher:
             raise EngineError(f"the teacher at {self.url} does not answer /v1/models ({exc}): start it with "
                               "`harness-train serve --model TEACHER`, or give --teacher-model") from None
 
+    def take_costs(self) -> tuple[int, float]:
+        """Tokens scored and seconds spent since the last call (a step's metrics)."""
+        costs = (self.tokens, self.seconds)
+        self.tokens, self.seconds = 0, 0.0
+        return costs
+
     def logprobs(self, sequences: list[list[int]]) -> list[list[float | None]]:
         """Per sequence, its tokens' logprobs under the teacher (None for the first: it has no context)."""
         out: list[list[float | None]] = [[] for _ in sequences]

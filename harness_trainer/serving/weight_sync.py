@@ -33,7 +33,16 @@ import httpx
 
 from harness_trainer._exceptions import ConfigError
 from harness_trainer.models.untie import HEAD_FILE
-from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, LORA, RELOAD, WeightSyncError, post_step
+from harness_trainer.serving.sync_steps import (
+    BACKENDS,
+    GPU_BACKENDS,
+    LORA,
+    RELOAD,
+    VLLM_LORA_RANKS,
+    WeightSyncError,
+    lora_rank_served,
+    post_step,
+)
 
 
 class WeightSync(Protocol):
@@ -144,7 +153,6 @@ class ReloadSync:
         pass
 
 
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 ENGINE_FLAGS_HINT = ("start vLLM with --enable-lora --max-lora-rank R --max-loras K (K >= max_staleness + 2) and "
                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (harness-train does when it launches the engine)")
@@ -152,9 +160,9 @@ ENGINE_FLAGS_HINT = ("start vLLM with --enable-lora --max-lora-rank R --max-lora
 
 def engine_args(rank: int, max_loras: int) -> list[str]:
     """vLLM flags for serving adapters up to `rank` (rounded up to a rank vLLM accepts)."""
-    allowed = next((r for r in VLLM_RANKS if r >= rank), None)
-    if allowed is None:
-        raise ValueError(f"lora_rank {rank} is larger than vLLM's largest --max-lora-rank ({VLLM_RANKS[-1]})")
+    allowed = lora_rank_served(rank)
+    if allowed is None:  # the run's config refuses it first (training/config.py)
+        raise ConfigError(f"lora_rank {rank} is larger than vLLM's largest --max-lora-rank ({VLLM_LORA_RANKS[-1]})")
     return ["--enable-lora", "--max-lora-rank", str(allowed), "--max-loras", str(max_loras)]
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from harness_trainer.training.sharding import is_sharded, load_full_state
+from harness_trainer.training.protocols import TrainablePolicy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -73,16 +74,28 @@ class BestModel:
         self.value, self.recent = state.get("best_reward"), list(state.get("recent_rewards", []))
 
 
-def save_checkpoint(trainer, keep: int) -> Path:
-    out, step = trainer.out, trainer.step
-    tmp = out / f".checkpoint-{step}.tmp"
+@dataclass
+class LoopState:
+    """The loop's own state in a checkpoint, beside the policy's: the step, the policy version the engines
+    serve, the dataset cursor, the trainer's RNG and best/'s bookkeeping."""
+    step: int
+    version: int
+    task_cursor: int
+    rng: tuple
+    best: dict = field(default_factory=dict)
+
+
+def save_checkpoint(out: Path, policy: TrainablePolicy, state: LoopState, keep: int) -> Path:
+    """checkpoint-{step}: the policy (policy.save_policy), its optimizer, the RNGs and the loop's state; only the
+    newest `keep` are kept."""
+    tmp = out / f".checkpoint-{state.step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.policy.save_policy(tmp)
-    torch.save({"optimizer": trainer.policy.optimizer_state(), "torch_rng": torch.get_rng_state(),
-                "rng": trainer.rng.getstate()}, tmp / "trainer_state.pt")
+    policy.save_policy(tmp)
+    torch.save({"optimizer": policy.optimizer_state(), "torch_rng": torch.get_rng_state(), "rng": state.rng},
+               tmp / "trainer_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(
-        {"step": step, "version": trainer.version, "task_cursor": trainer.task_cursor} | trainer.best.state()))
-    path = _replace(tmp, out / f"checkpoint-{step}")
+        {"step": state.step, "version": state.version, "task_cursor": state.task_cursor} | state.best))
+    path = _replace(tmp, out / f"checkpoint-{state.step}")
     for old in _checkpoints(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return path
@@ -92,10 +105,9 @@ def _checkpoints(folder: Path) -> list[Path]:
     return sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
 
 
-def load_checkpoint(trainer, path: Path) -> None:
-    """Model, optimizer, RNGs, step, version, dataset cursor and best/'s state; `.../latest` is the newest."""
-    from transformers import AutoModelForCausalLM
-
+def load_checkpoint(path: Path, policy: TrainablePolicy) -> LoopState:
+    """The policy and its optimizer restored in place (policy.restore), torch's RNG set; returns the loop's state.
+    `.../latest` is the newest checkpoint in that folder."""
     if path.name == "latest":
         found = _checkpoints(path.parent)
         if not found:
@@ -103,20 +115,7 @@ def load_checkpoint(trainer, path: Path) -> None:
         path = found[-1]
     state = json.loads((path / "trainer_state.json").read_text())
     blob = torch.load(path / "trainer_state.pt", weights_only=False)
-    policy = trainer.policy
-    if is_sharded(policy.model):  # FSDP: every rank reads the whole state and keeps its shard
-        weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        load_full_state(policy.model, policy.optimizer, weights, blob["optimizer"])
-    elif policy.peft is not None:  # the adapter only; the base weights never changed
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(policy.peft, load_file(path / "adapter_model.safetensors"))
-    else:
-        policy.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=policy.dtype).state_dict())
-    if not is_sharded(policy.model):
-        policy.optimizer.load_state_dict(blob["optimizer"])
+    policy.restore(path, blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
-    trainer.rng.setstate(blob["rng"])
-    trainer.step, trainer.version, trainer.task_cursor = state["step"], state["version"], state["task_cursor"]
-    trainer.best.restore(state)
+    best = {k: v for k, v in state.items() if k not in ("step", "version", "task_cursor")}
+    return LoopState(state["step"], state["version"], state["task_cursor"], blob["rng"], best)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from harness_trainer._exceptions import ConfigError
 from harness_trainer.rollouts.config import option
+from harness_trainer.serving.sync_steps import VLLM_LORA_RANKS, lora_rank_served
 
 # transformers.SchedulerType's values, written out: importing it imports torch and peft (5-10 s), and a job
 # launcher checks a run's flags before it submits (tests/test_train_cli.py keeps the two lists equal)
@@ -160,14 +161,18 @@ class AsyncGRPOConfig:
                                                       '--output-dir)')
 
     def __post_init__(self):
-        if hasattr(super(), "__post_init__"):  # a run's config inherits the rollout settings' too
-            super().__post_init__()
+        self._prepare()
+        self.check()
+
+    def _prepare(self) -> None:
+        """Values in their field's form, deprecated names moved to TRL's (checked after, by check())."""
+        if hasattr(super(), "_prepare"):  # a run's config inherits the rollout settings' too
+            super()._prepare()
         self._undeprecate()
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bools
         if isinstance(self.lora_target_modules, str):  # a flag or YAML value "q_proj,v_proj"
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
-        self.check()
 
     def _undeprecate(self) -> None:
         """Old spellings -> TRL's names, one line each; then the old field is cleared (only loss_mode ppo stays: it
@@ -236,6 +241,11 @@ class AsyncGRPOConfig:
                               "sequence")
         if self.use_peft and not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.use_peft and lora_rank_served(self.lora_rank) is None:
+            raise ConfigError(f"--lora-rank {self.lora_rank} is larger than the largest rank vLLM serves "
+                              f"({VLLM_LORA_RANKS[-1]}): choose {VLLM_LORA_RANKS[-1]} or less")
+        if hasattr(super(), "check"):  # a run's config: the rollout settings' rules too
+            super().check()
 
 
 def same_as(name: str, default=dataclasses.MISSING):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harness_trainer._exceptions import ConfigError
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 @dataclass
 class LoraSettings:
@@ -24,18 +26,35 @@ class LoraSettings:
     target_modules: list[str] | None = None  # None: the attention and MLP projections the model has
 
 
+def lora_targets(model, requested: list[str] | None) -> list[str]:
+    """The modules the adapter goes into: `requested`, else the attention and MLP projections the model has; a
+    ConfigError names any the model lacks."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = list(requested or [t for t in DEFAULT_TARGETS if t in names])
+    missing = [t for t in targets if t not in names]
+    if not targets or missing:
+        raise ConfigError(f"--lora-target-modules {','.join(missing or targets)}: the model has no such modules; give "
+                          f"names of its linear layers (e.g. {', '.join(DEFAULT_TARGETS)})")
+    return targets
+
+
+def check_lora_targets(model_dir, requested: list[str] | None) -> None:
+    """Before any process starts: the model's modules read from its config alone (built on the meta device: no
+    weights loaded, no memory used)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    lora_targets(model, requested)
+
+
 def add_lora(model, settings: LoraSettings):
     """Inject the adapter into `model` in place; returns the PeftModel (for saving, disabling, merging)."""
     from peft import LoraConfig, get_peft_model
 
     if settings.rank < 1:
-        raise ValueError(f"lora_rank must be a positive integer, got {settings.rank}")
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    targets = list(settings.target_modules or [t for t in DEFAULT_TARGETS if t in names])
-    missing = [t for t in targets if t not in names]
-    if not targets or missing:
-        raise ValueError(f"lora_target_modules {missing or targets}: the model has no such modules; give names of "
-                         f"its linear layers (e.g. {', '.join(DEFAULT_TARGETS)})")
+        raise ConfigError(f"--lora-rank must be a positive integer, got {settings.rank}")
+    targets = lora_targets(model, settings.target_modules)
     return get_peft_model(model, LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
                                             lora_dropout=settings.dropout, target_modules=targets, bias="none",
                                             task_type="CAUSAL_LM"))

@@ -1,11 +1,13 @@
 """The policy on this rank: the model being trained and everything that changes it or reads it whole.
 
-    Policy(model, args, device, rank, world_size)
+    Policy(model, args, device, rank, world_size)      (TrainablePolicy: what the trainer needs of one)
         .step(groups, step)    one optimizer step on scored groups (step.py)
         .full_weights()        the whole model's weights (FSDP: gathered from every rank), or None: the model holds them
         .optimizer_state()     the optimizer's whole state (a checkpoint)
         .probe_logits()        the logits along the probe's fixed sequence (policy_sync.py)
         .save_model(path)      a folder vLLM can serve; .save_policy(path): what a checkpoint keeps of it
+        .restore(path, optimizer_state)   a checkpoint's weights (or adapter) and optimizer state back
+        .lead()                rank 0's loop: inside it, whole-model work calls the other ranks in
 
 With FSDP (sharding.py) the whole weights, the optimizer's state and the probe's forward need every rank's shard:
 rank 0, inside its loop (`leading`), broadcasts the work's name and the other ranks, waiting between steps in
@@ -14,7 +16,9 @@ the trainer's follower loop, join in (`together`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +28,14 @@ from harness_trainer.training.config import AsyncGRPOConfig
 from harness_trainer.training.distributed import broadcast
 from harness_trainer.training.grpo import LossConfig
 from harness_trainer.training.lora import LoraSettings, add_lora, merged_state_dict
-from harness_trainer.training.sharding import full_optimizer_state, full_state_dict, gathered, is_sharded, shard_model
+from harness_trainer.training.sharding import (
+    full_optimizer_state,
+    full_state_dict,
+    gathered,
+    is_sharded,
+    load_full_state,
+    shard_model,
+)
 from harness_trainer.training.step import train_on
 from harness_trainer.training.tree_attention import use_tree_attention
 
@@ -37,7 +48,7 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         self.args, self.device, self.rank, self.world_size = args, device, rank, world_size
-        self.leading = False  # rank 0 inside its loop: the other ranks are waiting to be called in
+        self.leading = False  # rank 0 inside its loop (lead()): the other ranks are waiting to be called in
         self.model_dir = Path(model) if isinstance(model, (str, Path)) else None
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_dtype(args.dtype)) if self.model_dir else model
         # With LoRA the adapter is injected into self.model in place; self.peft is its wrapper (save, disable).
@@ -106,6 +117,33 @@ class Policy:
         path = save_model(self.model, path, self.model_dir, state_dict=merged_state_dict(self.model))
         self.peft.save_pretrained(path / "adapter")
         return path
+
+    @contextlib.contextmanager
+    def lead(self) -> Iterator[None]:
+        """Rank 0's loop: while inside, whole-model work (together) first calls the waiting ranks in."""
+        self.leading = True
+        try:
+            yield
+        finally:
+            self.leading = False
+
+    def restore(self, path: Path, optimizer_state: dict) -> None:
+        """A checkpoint's policy (checkpoints.py): the weights, or the adapter alone with LoRA (the base weights
+        never changed), and the optimizer's state. With FSDP every rank reads the whole state, keeps its shard."""
+        from transformers import AutoModelForCausalLM
+
+        if is_sharded(self.model):
+            weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+            load_full_state(self.model, self.optimizer, weights, optimizer_state)
+            return
+        if self.peft is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.peft, load_file(path / "adapter_model.safetensors"))
+        else:
+            self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).state_dict())
+        self.optimizer.load_state_dict(optimizer_state)
 
     def save_policy(self, path: str | Path) -> Path:
         """What a checkpoint holds of the policy: the adapter with LoRA, else the whole servable model."""

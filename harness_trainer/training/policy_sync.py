@@ -33,6 +33,7 @@ from harness_trainer.serving.supervise import ServiceDown, wait_for
 from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, IPC, LORA, RELOAD
 from harness_trainer.serving.weight_sync import WeightSync, WeightSyncError, make_weight_sync, weight_version
 from harness_trainer.training.policy import PROBE_IDS
+from harness_trainer.training.protocols import TrainablePolicy
 
 log = logging.getLogger("harness_trainer")
 PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights
@@ -57,7 +58,9 @@ def check_backend(backend: str, args) -> None:
 
 
 class PolicySync:
-    def __init__(self, policy, args, proxy=None, backend: str = RELOAD,
+    """The EngineSync (protocols.py) of a run with engines: weights by a weight-sync backend, each sync probed."""
+
+    def __init__(self, policy: TrainablePolicy, args, proxy=None, backend: str = RELOAD,
                  weight_sync: Callable[[str], WeightSync] | None = None, out: Path | None = None):
         """policy: the Policy (policy.py); proxy: the run's ProxyClient (None: no proxy to tell); backend: the
         weight_sync_backend; weight_sync: engine url -> a WeightSync, used instead of the backend's; out: the
@@ -70,6 +73,16 @@ class PolicySync:
         self.recovered: list[str] = []  # what ensure_services put back since the trainer last logged a step
         self.last_probe_gap: float | None = None  # the probe after the last sync
         self.step = 0  # the trainer's step, for messages
+
+    def take_recovered(self) -> list[str]:
+        """What ensure_services put back since the last call (the trainer logs it with the next step)."""
+        recovered, self.recovered = self.recovered, []
+        return recovered
+
+    def close(self) -> None:
+        """Each engine's weight sync closed (a GPU transfer's process group, an HTTP client)."""
+        for sync in self.weight_syncs.values():
+            sync.close()
 
     def sync_weights(self, step: int) -> float:
         self.step = step

@@ -46,77 +46,88 @@ from pathlib import Path
 import torch
 
 from harness_trainer._exceptions import ConfigError
+from harness_trainer.proxy.capture import SamplingPolicy
+from harness_trainer.rollouts.config import check_white_box
 from harness_trainer.rollouts.environments import load_rows
 from harness_trainer.rollouts.pool import RolloutPool
 from harness_trainer.rollouts.rewards import resolve_rewards, score_group
 from harness_trainer.rollouts.services import environment_sessions
 from harness_trainer.rollouts.session import RolloutRecord
 from harness_trainer.rollouts.tasks import Task
-from harness_trainer.serving.placement import resolve_weight_sync
+from harness_trainer.serving.placement import Placement, resolve_weight_sync
 from harness_trainer.serving.teacher import Teacher
 from harness_trainer.serving.weight_sync import WeightSync
-from harness_trainer.training.checkpoints import BestModel, load_checkpoint, save_checkpoint
+from harness_trainer.training.checkpoints import BestModel, LoopState, load_checkpoint, save_checkpoint
 from harness_trainer.training.config import AsyncGRPOConfig
 from harness_trainer.training.distill import score_with_teacher
 from harness_trainer.training.distributed import FAILED, broadcast, init_distributed, trainer_device, trainer_placement
 from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
 from harness_trainer.training.policy_sync import PolicySync, TrainingStopped, check_backend
+from harness_trainer.training.protocols import EngineSync, TrainablePolicy
 from harness_trainer.training.trust_region import StabilityMonitor
 
 log = logging.getLogger("harness_trainer")
 
 
+def task_index(cursor: int, n: int, seed: int, shuffle: bool = True) -> int:
+    """The dataset's task at position `cursor` of the run: each pass over the n tasks in its own seeded order, so
+    the cursor alone fixes the position (a resumed run goes on where the checkpoint was)."""
+    epoch, index = divmod(cursor, n)
+    return random.Random(f"{seed}-{epoch}").sample(range(n), n)[index] if shuffle else index
+
+
 class HarnessAsyncGRPOTrainer:
-    """The loop (rollout pool -> step -> sync -> checkpoint) over three parts it holds: `policy` (policy.py: the
-    model, its optimizer and ranks), `sync` (policy_sync.py: the policy into the engines, given the weight sync)
-    and, inside `train()`, the rollout pool (rollouts/pool.py)."""
+    """The loop (rollout pool -> step -> sync -> checkpoint) over its collaborators, each typed by a Protocol and
+    built here only when none is passed in (TRL's async_grpo): the session factory (rollouts/session.py
+    SessionFactory: where rollouts come from), `policy` (protocols.py TrainablePolicy: policy.py's Policy) and
+    `sync` (protocols.py EngineSync: policy_sync.py's PolicySync, itself given `weight_sync`)."""
 
     def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
                  train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
-                 environment_factory=None, reward_funcs=None, weight_sync: Callable[[str], WeightSync] | None = None):
-        """Black-box: harness_session_factory (a partial of LocalSessionFactory) and Harbor tasks. White-box, as
-        TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs (group functions, rewards.py)
-        and train_dataset rows with a `prompt` column; the trainer then runs its own capture proxy in front of
-        vllm_server_base_url (rollouts/services.py). callbacks: objects with any of on_launch(n),
-        on_rollout(record_or_exception), on_step(metrics), log(metrics). weight_sync: engine url -> the object
-        that puts the policy into that engine (TRL's weight_transfer; the WeightSync protocol of
-        serving/weight_sync.py); by default the backend weight_sync_backend names (or the placement's)."""
+                 environment_factory=None, reward_funcs=None, weight_sync: Callable[[str], WeightSync] | None = None,
+                 policy: TrainablePolicy | None = None, sync: EngineSync | None = None,
+                 placement: Placement | None = None):
+        """Black-box: harness_session_factory (SamplingPolicy -> SessionFactory: a partial of LocalSessionFactory)
+        and Harbor tasks. White-box, as TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs
+        (group functions, rewards.py) and train_dataset rows with a `prompt` column; the trainer then runs its own
+        capture proxy in front of vllm_server_base_url (rollouts/services.py). callbacks: objects with any of
+        on_launch(n), on_rollout(record_or_exception), on_step(metrics), log(metrics).
+        The parts, each built from `args` when not given: policy (from `model`, a folder or a loaded model);
+        sync (the policy into the engines; weight_sync: engine url -> the WeightSync that loads one engine, TRL's
+        weight_transfer, by default the backend weight_sync_backend names); placement (serving/placement.py: the
+        run's GPU layout, decided once by the caller that launched the engines, else from args here)."""
         args = args or AsyncGRPOConfig()
         args.check()  # a config changed after it was made is checked again (training/config.py)
+        check_white_box(environment_factory is not None, bool(reward_funcs) or rollout_reward_fn is not None,
+                        "an environment_factory", "reward_funcs")
         self.args = args
-        # One device per rank: the rank's GPU of the placement (serving/placement.py), else the CPU.
-        placement = trainer_placement(args)
-        device = trainer_device(placement)
-        backend = resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
-        check_backend(backend, args)
+        placement = placement or trainer_placement(args)
+        backend = None if sync else resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
+        if backend:  # the default sync's backend fits the settings and this machine, before anything is loaded
+            check_backend(backend, args)
+        device = trainer_device(placement)  # one device per rank: the rank's GPU of the placement, else the CPU
         self.rank, self.world_size = init_distributed(device)
-        self.policy = Policy(model, args, device, self.rank, self.world_size)
+        self.policy = policy or Policy(model, args, device, self.rank, self.world_size)
         self.lead_failed = False  # a follower's view: rank 0's loop ended in an error (no final save will come)
         self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
         if environment_factory is not None and harness_session_factory is None and self.rank == 0:
             harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
         # The trainer owns the sampling policy and hands it to the factory before any session starts
         # (on rank 0 only: the other ranks never run a rollout).
-        self.factory = harness_session_factory(
-            {"training": True, "temperature": args.temperature, "max_tokens_cap": args.max_completion_tokens}
-        ) if self.rank == 0 else None
+        self.factory = harness_session_factory(SamplingPolicy(
+            training=True, temperature=args.temperature, max_tokens_cap=args.max_completion_tokens)) \
+            if self.rank == 0 else None
         self.tasks = list(train_dataset or [])
         if self.tasks and isinstance(self.tasks[0], dict):  # dataset rows (white-box), not Harbor tasks
             self.tasks = load_rows(self.tasks)
         if not self.tasks:
             raise ConfigError("train_dataset is empty: give at least one task")
-        if environment_factory is not None and not reward_funcs and rollout_reward_fn is None:
-            raise ConfigError("an environment_factory run needs reward_funcs: functions f(environments, **kwargs) "
-                              "returning one reward (or None) per environment")
         self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
-        self.teacher = None  # on-policy distillation: the engine that scores the student's tokens (distill.py)
-        if args.teacher_url and self.rank == 0:
-            self.teacher = Teacher(args.teacher_url, timeout_s=args.weight_sync_timeout_s * 5)
-            if self.policy.model_dir is not None:
-                self.teacher.check_tokenizer(str(self.policy.model_dir))
+        self.teacher = self._teacher()
         self.out = Path(args.output_dir)
-        self.sync = PolicySync(self.policy, args, getattr(self.factory, "proxy", None), backend, weight_sync, self.out)
+        self.sync = sync or PolicySync(self.policy, args, getattr(self.factory, "proxy", None), backend,
+                                       weight_sync, self.out)
         self.monitor = StabilityMonitor()
         self.step, self.task_cursor = 0, 0
         self.out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +137,16 @@ class HarnessAsyncGRPOTrainer:
         self.callbacks = list(callbacks or [])
         self.best = BestModel(self.out, args.best_window)
         if args.resume_from_checkpoint:
-            load_checkpoint(self, Path(args.resume_from_checkpoint))
+            self._restore(load_checkpoint(Path(args.resume_from_checkpoint), self.policy))
+
+    def _teacher(self) -> Teacher | None:
+        """On-policy distillation: the engine that scores the student's tokens (distill.py), on rank 0."""
+        if not self.args.teacher_url or self.rank != 0:
+            return None
+        teacher = Teacher(self.args.teacher_url, timeout_s=self.args.weight_sync_timeout_s * 5)
+        if self.policy.model_dir is not None:
+            teacher.check_tokenizer(str(self.policy.model_dir))
+        return teacher
 
     @property
     def version(self) -> int:
@@ -148,13 +168,9 @@ class HarnessAsyncGRPOTrainer:
     # ---- rollouts ----------------------------------------------------------------------------------------
 
     def _next_task(self) -> Task:
-        """Each pass over the dataset in its own seeded order; the cursor alone fixes the position (resume)."""
-        n = len(self.tasks)
-        epoch, index = divmod(self.task_cursor, n)
-        order = random.Random(f"{self.args.seed}-{epoch}").sample(range(n), n) if self.args.shuffle_dataset \
-            else range(n)
+        task = self.tasks[task_index(self.task_cursor, len(self.tasks), self.args.seed, self.args.shuffle_dataset)]
         self.task_cursor += 1
-        return self.tasks[order[index]]
+        return task
 
     def _notify(self, hook: str, payload) -> None:
         for callback in self.callbacks:
@@ -182,7 +198,13 @@ class HarnessAsyncGRPOTrainer:
         return self.policy.save_model(path)
 
     def _save(self) -> Path:
-        return save_checkpoint(self, self.args.save_total_limit)
+        state = LoopState(self.step, self.version, self.task_cursor, self.rng.getstate(), self.best.state())
+        return save_checkpoint(self.out, self.policy, state, self.args.save_total_limit)
+
+    def _restore(self, state: LoopState) -> None:
+        self.step, self.version, self.task_cursor = state.step, state.version, state.task_cursor
+        self.rng.setstate(state.rng)
+        self.best.restore(state.best)
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -191,17 +213,14 @@ class HarnessAsyncGRPOTrainer:
             return self._follow()
         finished = False
         try:
-            self.policy.leading = True
-            with self.own_proxy or contextlib.nullcontext():
+            with self.policy.lead(), self.own_proxy or contextlib.nullcontext():
                 history = self._lead()
             finished = True
             return history
         finally:
-            self.policy.leading = False
             if self.world_size > 1:  # releases the other ranks, saying whether the run finished
                 broadcast(None if finished else FAILED)
-            for sync in self.sync.weight_syncs.values():
-                sync.close()
+            self.sync.close()
             if self.teacher is not None:
                 self.teacher.close()
 
@@ -215,13 +234,9 @@ class HarnessAsyncGRPOTrainer:
             if isinstance(message, str):
                 self.policy.together(message)
             else:
-                self._train_on(message)
+                self.policy.step(message, self.step)
                 self.step += 1
         return self.history
-
-    def _train_on(self, groups: list[list[RolloutRecord]]) -> dict:
-        """One optimizer step of the policy on scored groups (step.py)."""
-        return self.policy.step(groups, self.step)
 
     def _end_step(self, metrics: dict, tasks: list[str], save: bool = False) -> None:
         """Warnings, best/, the checkpoint and the metrics line of a trained step."""
@@ -229,10 +244,10 @@ class HarnessAsyncGRPOTrainer:
         metrics.update(step=self.step, version=self.version, task=",".join(tasks))
         metrics.update(self.sync.engine_metrics())  # several engines: each one's sessions, calls, cache hits
         if self.teacher is not None:  # what scoring this step's rollouts cost (since the last step)
-            metrics["teacher_tokens"], metrics["teacher_s"] = self.teacher.tokens, round(self.teacher.seconds, 3)
-            self.teacher.tokens, self.teacher.seconds = 0, 0.0
-        if self.sync.recovered:  # what was put back since the last step (a restarted engine or proxy)
-            metrics["recovered"], self.sync.recovered = self.sync.recovered, []
+            tokens, seconds = self.teacher.take_costs()
+            metrics["teacher_tokens"], metrics["teacher_s"] = tokens, round(seconds, 3)
+        if recovered := self.sync.take_recovered():  # what was put back since the last step (a restarted service)
+            metrics["recovered"] = recovered
         if warnings := metrics.get("warnings", []) + self.monitor.check(metrics):
             metrics["warnings"] = warnings
             for warning in warnings:
@@ -278,7 +293,7 @@ class HarnessAsyncGRPOTrainer:
                 if groups:
                     if self.world_size > 1:
                         broadcast(groups)
-                    metrics |= self._train_on(groups)
+                    metrics |= self.policy.step(groups, self.step)
                 metrics["train_time_s"] = time.perf_counter() - started
                 self.step += 1
                 if args.vllm_server_base_url and self.step % args.weight_sync_steps == 0:

@@ -1,0 +1,125 @@
+"""The trainer's loop (training/trainer.py) with a stub for each collaborator, as TRL tests its async trainer: a
+scripted session factory (no agent, no proxy), a policy with no model, an engine sync with no engine. What is
+real here is the loop itself and the rollout pool it drives: groups, staleness, cancellation, syncs, the
+checkpoint and the metrics line of each step, resume, and the stops. No clock: a rollout "still running" is held
+on an event the test owns. The real parts end to end: tests/test_trainer.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import pytest
+from stubs import ScriptedSessions, StubPolicy, StubSync, scripted_turns
+
+from harness_trainer import TrainingStopped
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, task_index
+
+
+@dataclass
+class Task:
+    name: str
+    agent_timeout_s: float = 60.0
+
+
+def rewarded(task, index: int, episode: str, version: int):
+    """Rollout i of a group is rewarded when i is even: every group has a gradient."""
+    return scripted_turns([1, 5, 7], [20 + index, 21], version), float(index % 2 == 0)
+
+
+def trainer(tmp_path, sessions=None, sync=None, policy=None, tasks=("a", "b"), **settings):
+    sync = sync or StubSync()
+    sessions = sessions or ScriptedSessions(rewarded, version=lambda: sync.version)
+    args = AsyncGRPOConfig(**{"output_dir": str(tmp_path / "run"), "vllm_server_base_url": "http://stub",
+                              "num_generations": 2, "max_concurrent_rollouts": 2, "max_steps": 3, "save_steps": 1,
+                              "shuffle_dataset": False, **settings})
+    return HarnessAsyncGRPOTrainer(None, sessions, args, [Task(t) for t in tasks], policy=policy or StubPolicy(),
+                                   sync=sync)
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_each_step_trains_one_group_then_syncs_and_saves(tmp_path):
+    run = trainer(tmp_path)
+    history = run.train()
+    assert [h["step"] for h in history] == [1, 2, 3] and run.sync.synced == [0, 1, 2, 3]  # the cold sync first
+    assert [h["version"] for h in history] == [2, 3, 4] and run.version == 4
+    assert [h["task"] for h in history] == ["a", "b", "a"] and all(h["trained_tokens"] == 4 for h in history)
+    assert [len(episodes) for _, episodes in run.policy.steps] == [2, 2, 2]
+    assert [m["step"] for m in lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert len(lines(tmp_path / "run" / "rollouts.jsonl")) == 6 and run.sync.closed
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert run.factory.sampling.training and run.factory.sampling.max_tokens_cap == 256  # its SamplingPolicy
+
+
+def test_a_group_that_can_no_longer_finish_in_time_is_cancelled_then_dropped(tmp_path):
+    """max_staleness 0: the group launched beside step 1's is one version behind once step 1 syncs; it is
+    stopped at once (held forever otherwise), and the next step drops it."""
+    sync = StubSync()
+    slow = threading.Event()  # never set: only the cancel ends these rollouts
+    sessions = ScriptedSessions(rewarded, version=lambda: sync.version, held={"slow": slow})
+    run = trainer(tmp_path, sessions, sync, tasks=("fast", "slow"), max_staleness=0, max_concurrent_rollouts=4,
+                  max_steps=2)
+    history = run.train()
+    assert history[0]["cancelled_in_flight"] == 2 and history[0]["task"] == "fast"
+    # the step collects one group (groups_per_step) and it is the stale one: nothing is trained on it
+    assert history[1]["dropped_stale"] == 1 and history[1]["cancelled"] == 2 and history[1]["task"] == ""
+    assert [step for step, _ in run.policy.steps] == [0]
+    statuses = [r["status"] for r in lines(tmp_path / "run" / "rollouts.jsonl") if r["task"] == "slow"]
+    assert statuses.count("cancelled") >= 2 and not slow.is_set()
+
+
+def test_a_resumed_run_trains_every_step_once_from_the_checkpoint(tmp_path):
+    first = trainer(tmp_path, max_steps=2)
+    first.train()
+    resumed = trainer(tmp_path, max_steps=4, resume_from_checkpoint=str(tmp_path / "run" / "latest"))
+    assert resumed.step == 2 and resumed.version == 3 and resumed.task_cursor == first.task_cursor
+    assert resumed.policy.restored["path"].endswith("checkpoint-2")
+    history = resumed.train()
+    assert [h["step"] for h in history] == [3, 4]
+    assert [m["step"] for m in lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_service_gone_for_good_stops_the_run_with_its_last_step_kept(tmp_path):
+    run = trainer(tmp_path, sync=StubSync(stop_services_at=2), save_steps=10)
+    with pytest.raises(TrainingStopped, match="has not answered"):
+        run.train()
+    assert [m["step"] for m in lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "run" / "checkpoint-2").exists()  # kept whatever save_steps says
+
+
+def test_a_failed_sync_keeps_the_step_it_follows(tmp_path):
+    run = trainer(tmp_path, sync=StubSync(stop_sync_at=2), save_steps=10)
+    with pytest.raises(TrainingStopped, match="weight sync at step 2 failed"):
+        run.train()
+    logged = lines(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in logged] == [1, 2] and "failed" in logged[-1]["stopped"]
+    assert (tmp_path / "run" / "checkpoint-2").exists()
+
+
+def test_dynamic_sampling_replaces_groups_without_a_gradient_up_to_its_cap(tmp_path):
+    def only_b_varies(task, index, episode, version):
+        return scripted_turns([1, 5], [30 + index], version), float(task.name == "b" and index == 0)
+
+    sync = StubSync()
+    run = trainer(tmp_path, ScriptedSessions(only_b_varies, version=lambda: sync.version), sync, max_steps=2,
+                  dynamic_sampling=True, dynamic_sampling_max_tries=2)
+    history = run.train()
+    assert [h["task"] for h in history] == ["b", "b"]  # "a" (all 0) was skipped each time
+    assert history[0]["dynamic_skipped"] == 1 and history[0]["groups_collected"] == 2
+
+    only_a = trainer(tmp_path / "cap", ScriptedSessions(only_b_varies), tasks=("a",), max_steps=1,
+                     dynamic_sampling=True, dynamic_sampling_max_tries=3)
+    (step,) = only_a.train()
+    assert step["groups_collected"] == 3 and "0 of 1 groups could train" in step["warnings"][0]
+
+
+def test_dataset_order_is_shuffled_per_pass_and_resumes_from_the_cursor():
+    order = [task_index(cursor, 6, seed=3) for cursor in range(12)]
+    assert sorted(order[:6]) == sorted(order[6:]) == list(range(6))  # every pass sees every task once
+    assert order[:6] != list(range(6)) and order[:6] != order[6:]  # shuffled, and differently each pass
+    assert [task_index(cursor, 6, seed=3) for cursor in range(7, 12)] == order[7:12]  # the cursor alone decides
+    assert [task_index(cursor, 3, seed=3, shuffle=False) for cursor in range(4)] == [0, 1, 2, 0]
