@@ -302,3 +302,11 @@ class StubSync:
 
     def close(self) -> None:
         self.closed = True
+
+
+class TrialBox:
+    """A sandbox of a user's own, named `--sandbox stubs:TrialBox` (agents/sandboxes.py takes module:Class): it
+    keeps the Trial it was made from, for the test to read."""
+
+    def __init__(self, trial):
+        self.trial = trial

@@ -13,18 +13,14 @@ from pathlib import Path
 import pytest
 from stubs import StubHandler
 
+from harness_trainer._exceptions import CaptureContractError, HarnessError, RewardError, SandboxError, TaskError
 from harness_trainer.agents.containers import ContainerSpec
-from harness_trainer.agents.harnesses import CommandHarness, HarnessError, make_harness
-from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox, SandboxError
+from harness_trainer.agents.harnesses import CommandHarness, make_harness
+from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.rollouts.rewards import RewardError, resolve_reward_fn, score
-from harness_trainer.rollouts.session import (
-    CaptureContractError,
-    HarnessRolloutOutcome,
-    LocalSessionFactory,
-    run_rollout,
-)
-from harness_trainer.rollouts.tasks import TaskError, load_dataset, load_task
+from harness_trainer.rollouts.rewards import resolve_reward_fn, score
+from harness_trainer.rollouts.session import HarnessRolloutOutcome, LocalSessionFactory, run_rollout
+from harness_trainer.rollouts.tasks import load_dataset, load_task
 from harness_trainer.rollouts.verifier import verify
 
 # ---- tasks -------------------------------------------------------------------------------------------------
@@ -354,6 +350,18 @@ def test_harbor_sandbox_errors_are_clear(tmp_path, monkeypatch):
             box.start()
     finally:
         box.stop()
+
+
+def test_sandbox_kinds_are_a_registry_that_takes_a_class_of_your_own(tmp_path):
+    """--sandbox NAME from agents/sandboxes.py's SANDBOXES, or module:Class made from the trial's Trial; an
+    unknown name is refused with the names there are."""
+    from harness_trainer.agents.sandboxes import SANDBOXES, make_sandbox
+
+    box = make_sandbox("stubs:TrialBox", tmp_path / "t", task="fix-it", proxy_url="http://127.0.0.1:9")
+    assert box.trial.task == "fix-it" and box.trial.proxy == ("127.0.0.1", 9)
+    assert type(make_sandbox("local", tmp_path / "jail")).__name__ == "LocalSandbox"
+    with pytest.raises(SandboxError, match="unknown sandbox 'jail': choose auto, " + ", ".join(SANDBOXES)):
+        make_sandbox("jail", tmp_path / "t")
 
 
 def test_agent_programs_under_tmp_stay_visible_in_the_jail(tmp_path):

@@ -10,10 +10,11 @@ import subprocess
 import pytest
 from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task
 
-from harness_trainer.agents.containers import LABEL, BuildError, DockerSandbox, docker_ready, image_for
-from harness_trainer.agents.sandbox import LocalSandbox, SandboxError
+from harness_trainer._exceptions import BuildError, SandboxError, TaskError
+from harness_trainer.agents.containers import LABEL, DockerSandbox, docker_ready, image_for
+from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.agents.sandboxes import prepare
-from harness_trainer.rollouts.tasks import TaskError, load_dataset, load_task
+from harness_trainer.rollouts.tasks import load_dataset, load_task
 
 
 @pytest.fixture(scope="module")

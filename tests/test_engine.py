@@ -10,9 +10,9 @@ import httpx
 import pytest
 import torch
 
-from harness_trainer.models.hub import ModelError
-from harness_trainer.serving.engine import EngineConfig, EngineError, VLLMServer, teacher_forced_logprobs
-from harness_trainer.serving.weight_sync import WeightSyncError, ram_dir, reload_weights, save_weights, weight_version
+from harness_trainer._exceptions import EngineError, ModelError, WeightSyncError
+from harness_trainer.serving.engine import EngineConfig, VLLMServer, teacher_forced_logprobs
+from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights, weight_version
 
 TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "Run a bash command and return its output.",

@@ -14,8 +14,9 @@ import httpx
 import pytest
 from stubs import Link, wait_until
 
+from harness_trainer._exceptions import NoEngine
 from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool, NoEngine, prometheus_total
+from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool, prometheus_total
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
 from harness_trainer.serving.process import kill_group
 from harness_trainer.serving.weight_sync import reload_weights

@@ -13,16 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from harness_trainer._exceptions import EnvironmentContractError, RewardError
 from harness_trainer.examples import echo, multi_env, wordle
 from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.rollouts.environments import (
-    EnvironmentContractError,
-    EnvironmentSessionFactory,
-    check_environment,
-    load_rows,
-)
+from harness_trainer.rollouts.environments import EnvironmentSessionFactory, check_environment, load_rows
 from harness_trainer.rollouts.oracle import OracleUpstream
-from harness_trainer.rollouts.rewards import RewardError, score_group
+from harness_trainer.rollouts.rewards import score_group
 from harness_trainer.rollouts.session import run_rollout
 from harness_trainer.traces.files import TrainingTrace
 from harness_trainer.training.packing import chains_from_trace

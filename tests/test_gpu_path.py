@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from harness_trainer._exceptions import PlacementError
 from harness_trainer.serving.engine import EngineConfig, server_command
-from harness_trainer.serving.placement import PlacementError, plan_placement, resolve_weight_sync
+from harness_trainer.serving.placement import plan_placement, resolve_weight_sync
 
 GPUS = {n: tuple(str(i) for i in range(n)) for n in (1, 2, 4, 8)}
 
@@ -96,8 +97,9 @@ def test_the_cpu_placement_and_the_engine_command_for_each_layout(tiny_model_dir
 def test_gpu_syncs_refuse_to_start_without_cuda_or_vllm(tmp_path):
     import torch
 
+    from harness_trainer._exceptions import WeightSyncError
     from harness_trainer.serving.gpu_sync import TransferSync, transfer_available
-    from harness_trainer.serving.weight_sync import WeightSyncError, make_weight_sync
+    from harness_trainer.serving.weight_sync import make_weight_sync
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     if torch.cuda.is_available():
@@ -136,8 +138,8 @@ def _bare_sync(url: str, timeout_s: float):
 
 
 def test_a_transfer_is_bounded_when_the_engine_dies_or_stalls(monkeypatch):
+    from harness_trainer._exceptions import WeightSyncError
     from harness_trainer.serving import gpu_sync
-    from harness_trainer.serving.weight_sync import WeightSyncError
 
     monkeypatch.setattr(gpu_sync, "HEALTH_EVERY_S", 0.1)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)

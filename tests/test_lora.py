@@ -15,12 +15,13 @@ import pytest
 import torch
 from stubs import StubHandler
 
+from harness_trainer._exceptions import TrainingStopped
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.weight_sync import LoraSync, reload_weights
 from harness_trainer.training.checkpoints import save_checkpoint
-from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 
 def served_adapters(engine) -> set[str]:

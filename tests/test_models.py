@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from harness_trainer._exceptions import ModelError
 from harness_trainer.models.formats import FAMILIES, detect_formats, ties_embeddings
-from harness_trainer.models.hub import ModelError, resolve_model
+from harness_trainer.models.hub import resolve_model
 from harness_trainer.models.tiny import TinyModelSpec, ensure_tiny_model
 from harness_trainer.models.untie import untied_copy
 from tests.hub_standin import HubStandIn

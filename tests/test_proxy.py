@@ -10,7 +10,8 @@ import httpx
 import pytest
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyServer
+from harness_trainer._exceptions import CaptureNotTrainable
+from harness_trainer.proxy.client import ProxyClient, ProxyServer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]

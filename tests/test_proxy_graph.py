@@ -8,7 +8,8 @@ import random
 import pytest
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer.proxy.session import Call, NotTrainable, Session, parents, roles, training_trace
+from harness_trainer._exceptions import NotTrainable
+from harness_trainer.proxy.session import Call, Session, parents, roles, training_trace
 
 
 def call(index, prompt, completion, tools=1, problem=None):

@@ -90,7 +90,8 @@ def test_black_box_runs_take_several_reward_functions(tiny_model_dir, tmp_path, 
     # the same names on the command line: module:function, comma-separated
     (tmp_path / "terms.py").write_text("def solved(outcomes, **kwargs):\n    return [1.0] * len(outcomes)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from harness_trainer.rollouts.rewards import RewardError, resolve_reward_funcs
+    from harness_trainer._exceptions import RewardError
+    from harness_trainer.rollouts.rewards import resolve_reward_funcs
 
     assert [f.__name__ for f in resolve_reward_funcs("terms:solved")] == ["solved"]
     with pytest.raises(RewardError, match="share a name"):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness_trainer.traces.files import TraceFileError, TrainingTrace, append_trace, read_traces, write_traces
+from harness_trainer._exceptions import TraceFileError
+from harness_trainer.traces.files import TrainingTrace, append_trace, read_traces, write_traces
 
 WIRE = {"schema_version": 1, "turns": [{
     "node_id": "a", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4, 5],

@@ -18,8 +18,9 @@ import pytest
 import torch
 from stubs import wait_until
 
+from harness_trainer._exceptions import ConfigError
 from harness_trainer.commands.cli import build_parser, main
-from harness_trainer.commands.train import ConfigError, train_config
+from harness_trainer.commands.train import train_config
 
 HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.commands.cli"]
 
@@ -152,6 +153,12 @@ def _occupied_port():
     (["--groups-per-step", "0"], "--groups-per-step must be a positive integer"),
     (["--dtype", "float64"], "--dtype float64: choose auto, float32, bfloat16 or float16"),
     (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch must be a positive integer or none"),
+    (["--environment", "harness_trainer.examples.echo:EchoEnv"], "--environment needs --reward-funcs"),
+    (["--use-peft", "--lora-rank", "1024"], "--lora-rank 1024 is larger than the largest rank vLLM serves"),
+    (["--use-peft", "--lora-target-modules", "c_attn"], "--lora-target-modules c_attn: the model has no such"),
+    (["--use-peft", "--weight-sync-backend", "reload"], "'lora' and use_peft go together"),
+    (["--sandbox", "nosuch"], "unknown sandbox 'nosuch': choose auto, local, docker, e2b, harbor"),
+    (["--sandbox", "no_such_module:Box"], "--sandbox no_such_module:Box: cannot import Box from no_such_module"),
 ])
 def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("E2B_API_KEY", raising=False)
@@ -182,7 +189,9 @@ CONFIG_REFUSALS = {"num_generations": (0, "--num-generations must be a positive 
                    "importance_sampling_level": ("turn", "--importance-sampling-level turn: choose one of token"),
                    "top_entropy_quantile": (1.5, "--top-entropy-quantile must be in [0, 1]"),
                    "distillation_weight": (2, "--distillation-weight must be in [0, 1]"),
-                   "dynamic_sampling_max_tries": (0, "--dynamic-sampling-max-tries must be a positive integer")}
+                   "dynamic_sampling_max_tries": (0, "--dynamic-sampling-max-tries must be a positive integer"),
+                   "lora_rank": (1024, "--lora-rank 1024 is larger than the largest rank vLLM serves")}
+CONFIG_CONTEXT = {"lora_rank": {"use_peft": True}}  # a rule that applies only beside another setting
 
 
 @pytest.mark.parametrize("field", sorted(CONFIG_REFUSALS))
@@ -194,12 +203,14 @@ def test_the_python_api_refuses_what_the_cli_refuses_in_the_same_words(field, tm
     from harness_trainer.training.config import AsyncGRPOConfig
 
     value, says = CONFIG_REFUSALS[field]
-    assert main(["--" + field.replace("_", "-"), str(value), "--report-to", "none",
-                 "--output-dir", str(tmp_path / "cli")]) == 1
+    context = CONFIG_CONTEXT.get(field, {})
+    flags = [f"--{name.replace('_', '-')}" for name in context]  # boolean flags
+    assert main(flags + ["--" + field.replace("_", "-"), str(value), "--report-to", "none",
+                         "--output-dir", str(tmp_path / "cli")]) == 1
     assert says in capsys.readouterr().err
     with pytest.raises(PublicConfigError, match=re.escape(says)):
-        AsyncGRPOConfig(**{field: value})
-    changed = AsyncGRPOConfig(output_dir=str(tmp_path / "api"))
+        AsyncGRPOConfig(**context, **{field: value})
+    changed = AsyncGRPOConfig(output_dir=str(tmp_path / "api"), **context)
     setattr(changed, field, value)
     with pytest.raises(PublicConfigError, match=re.escape(says)):
         HarnessAsyncGRPOTrainer("/nonexistent/model", lambda sampling: None, changed, [object()])
@@ -218,7 +229,27 @@ def test_eval_refuses_an_unknown_policy_before_it_touches_its_folder(tmp_path, c
     assert "unknown --policy 'teacher': choose model or oracle" in capsys.readouterr().err
     with pytest.raises(PublicConfigError, match="unknown --policy 'teacher'"):
         EvalConfig(policy="teacher", output_dir=str(out))
+    white_box = ["--environment", "harness_trainer.examples.echo:EchoEnv", "--output-dir", str(out)]
+    for flags, says in ((white_box, "--environment needs --reward-funcs"),
+                        (white_box + ["--reward-funcs", "harness_trainer.examples.echo:reward_func", "--policy",
+                                      "oracle"], "--policy oracle replays Harbor tasks' solutions")):
+        assert main(["eval", *flags]) == 1 and says in capsys.readouterr().err
+    with pytest.raises(PublicConfigError, match="--environment needs --reward-funcs"):
+        EvalConfig(environment="harness_trainer.examples.echo:EchoEnv", output_dir=str(out))
     assert (out / "rollouts.jsonl").read_text() == "kept\n"
+
+
+def test_the_trainer_refuses_an_environment_without_reward_functions(tmp_path):
+    """The one white-box rule (rollouts/config.py: check_white_box), for the trainer's own arguments."""
+    from harness_trainer import ConfigError as PublicConfigError
+    from harness_trainer import HarnessAsyncGRPOTrainer
+    from harness_trainer.examples.echo import EchoEnv
+    from harness_trainer.training.config import AsyncGRPOConfig
+
+    with pytest.raises(PublicConfigError, match="an environment_factory needs reward_funcs"):
+        HarnessAsyncGRPOTrainer("/nonexistent/model", None, AsyncGRPOConfig(output_dir=str(tmp_path / "run")),
+                                [{"prompt": "hi"}], environment_factory=EchoEnv)
+    assert not (tmp_path / "run").exists()
 
 
 def test_live_display_shows_stability_and_warnings():

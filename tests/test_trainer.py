@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from stubs import wait_until
 
+from harness_trainer._exceptions import CaptureContractError
 from harness_trainer.agents.harnesses import CommandHarness
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.rollouts.session import CaptureContractError, LocalSessionFactory
+from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset, load_task
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from selenium.webdriver.common.keys import Keys
 
-from harness_trainer.commands.viewer.runs import Decoder, RunFolder, ViewerError, find_runs
+from harness_trainer._exceptions import ViewerError
+from harness_trainer.commands.viewer.runs import Decoder, RunFolder, find_runs
 
 HARNESS_TRAIN = [sys.executable, "-m", "harness_trainer.commands.cli"]
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from harness_trainer._exceptions import HarnessError as HarnessError  # raised by the harnesses, imported from here
 from harness_trainer.agents.sandbox import ExecResult, Sandbox
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from harness_trainer.agents.base import AgentReport, AgentRun, HarnessError, read_file
+from harness_trainer._exceptions import HarnessError
+from harness_trainer.agents.base import AgentReport, AgentRun, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CLAUDE = REPO_ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"

@@ -13,7 +13,8 @@ import json
 import shlex
 from pathlib import Path
 
-from harness_trainer.agents.base import AgentReport, AgentRun, HarnessError, read_file
+from harness_trainer._exceptions import HarnessError
+from harness_trainer.agents.base import AgentReport, AgentRun, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CODEX_PACKAGES = REPO_ROOT / ".tools" / "codex" / "node_modules" / "@openai"

@@ -33,16 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness_trainer._exceptions import BuildError
-from harness_trainer.agents.sandbox import (
-    ExecResult,
-    Execs,
-    SandboxError,
-    TrialDirs,
-    agent_program_paths,
-    kill_group,
-    run_process,
-)
+from harness_trainer._exceptions import BuildError, SandboxError
+from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
 
 DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
 LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it

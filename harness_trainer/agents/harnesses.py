@@ -10,7 +10,8 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from harness_trainer.agents.base import AgentReport, AgentRun, Harness, HarnessError, read_file
+from harness_trainer._exceptions import HarnessError
+from harness_trainer.agents.base import AgentReport, AgentRun, Harness, read_file
 from harness_trainer.agents.claude_code import ClaudeCode
 from harness_trainer.agents.codex import Codex
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox

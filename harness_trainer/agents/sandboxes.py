@@ -6,25 +6,82 @@
     docker   every task in a container (agents/containers.py); a task without an image gets DEFAULT_IMAGE
     e2b      E2B's cloud (needs --public-url)
     harbor[:ENV]  any Harbor environment backend, through Harbor's own package
+    module:Class  a Sandbox of your own (agents/sandbox.py's protocol), made from a Trial
+
+The names are a registry (SANDBOXES: name -> maker), not a chain of ifs.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from harness_trainer._exceptions import SandboxError
 from harness_trainer.agents.containers import ContainerSpec, DockerSandbox, image_for, prepare_images
-from harness_trainer.agents.sandbox import E2BSandbox, HarborSandbox, LocalSandbox, Sandbox, SandboxError
+from harness_trainer.agents.sandbox import E2BSandbox, HarborSandbox, LocalSandbox, Sandbox
 
-KINDS = ("auto", "local", "docker", "e2b", "harbor")
+
+@dataclass
+class Trial:
+    """What a sandbox kind is made from: one trial's folder and task, the proxy the agent must reach (and the only
+    thing it may), and what a kind needs besides (`arg`: the part after `harbor:`)."""
+    trial_dir: Path
+    task: str = ""
+    spec: ContainerSpec = field(default_factory=ContainerSpec)
+    proxy: tuple[str, int] | None = None
+    public_url: str | None = None
+    task_dir: Path | None = None
+    log_dir: Path | None = None
+    arg: str = ""
+
+
+def _local(trial: Trial) -> Sandbox:
+    if trial.spec.needs_container:
+        raise SandboxError(f"task {trial.task} needs its own image and cannot run under --sandbox local")
+    return LocalSandbox(trial.trial_dir, proxy=trial.proxy)
+
+
+def _docker(trial: Trial) -> Sandbox:
+    return DockerSandbox(trial.trial_dir, image_for(trial.task, trial.spec, trial.log_dir), trial.spec,
+                         proxy=trial.proxy)
+
+
+# --sandbox NAME -> the maker of its sandbox; "auto" picks local or docker per task (kind_for). A name not here
+# may be `module:Class`: a class taking the Trial (the Sandbox protocol, agents/sandbox.py).
+SANDBOXES: dict[str, Callable[[Trial], Sandbox]] = {
+    "local": _local,
+    "docker": _docker,
+    "e2b": lambda trial: E2BSandbox(public_url=trial.public_url),
+    "harbor": lambda trial: HarborSandbox(trial.trial_dir, trial.arg or "docker", trial.task_dir),
+}
+KINDS = ("auto", *SANDBOXES)
+
+
+def sandbox_maker(kind: str) -> Callable[[Trial], Sandbox]:
+    """The maker for `--sandbox kind` (a registered name, harbor:ENV, or module:Class); a SandboxError lists
+    the names otherwise."""
+    name = kind.partition(":")[0]
+    if name in SANDBOXES:
+        return SANDBOXES[name]
+    if ":" in kind and name not in KINDS:
+        module, _, attr = kind.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise SandboxError(f"--sandbox {kind}: cannot import {attr} from {module} ({exc})") from None
+    raise SandboxError(f"unknown sandbox '{kind}': choose {', '.join(KINDS)}, harbor:ENV (ENV: any Harbor "
+                       "environment type, e.g. docker, modal, daytona, or module:Class), or module:Class (a "
+                       "Sandbox of your own, made from a Trial)")
 
 
 def check_kind(kind: str) -> None:
-    if kind.partition(":")[0] not in KINDS:
-        raise SandboxError(f"unknown sandbox '{kind}': choose auto, local, docker, e2b or harbor[:ENV] (ENV: any "
-                           "Harbor environment type, e.g. docker, modal, daytona, or module:Class)")
+    if kind != "auto":
+        sandbox_maker(kind)
 
 
 def kind_for(requested: str, spec: ContainerSpec) -> str:
@@ -62,19 +119,11 @@ def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerS
                  proxy_url: str | None = None, public_url: str | None = None, task_dir: Path | None = None,
                  log_dir: Path | None = None) -> Sandbox:
     """One trial's sandbox. `proxy_url`: the capture proxy the agent must reach (and the only thing it may)."""
-    check_kind(kind)
     spec = spec or ContainerSpec()
     kind = kind_for(kind, spec)
-    proxy = proxy_address(proxy_url) if proxy_url else None
-    if kind == "local":
-        if spec.needs_container:
-            raise SandboxError(f"task {task} needs its own image and cannot run under --sandbox local")
-        return LocalSandbox(trial_dir, proxy=proxy)
-    if kind == "docker":
-        return DockerSandbox(trial_dir, image_for(task, spec, log_dir), spec, proxy=proxy)
-    if kind == "e2b":
-        return E2BSandbox(public_url=public_url)
-    return HarborSandbox(trial_dir, kind.partition(":")[2] or "docker", task_dir)
+    trial = Trial(trial_dir, task, spec, proxy_address(proxy_url) if proxy_url else None, public_url, task_dir,
+                  log_dir, arg=kind.partition(":")[2] if kind.partition(":")[0] in SANDBOXES else "")
+    return sandbox_maker(kind)(trial)
 
 
 DOWNLOADS = re.compile(r"\b(apt-get|apt|curl|wget|pip3? install|uvx?|npm (install|i)|npx)\b")
@@ -86,8 +135,10 @@ def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> dict[
     bubblewrap task whose verifier seems to download its tools is warned about: a jail has no internet, and a
     verifier that cannot install its tools may well write 0."""
     check_kind(cfg.sandbox)
-    if cfg.sandbox == "e2b" or cfg.sandbox.startswith("harbor"):
-        make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)  # raises with what is missing
+    if cfg.sandbox.partition(":")[0] in ("e2b", "harbor"):  # remote: made once to raise with what is missing
+        make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
+        return {}
+    if cfg.sandbox not in KINDS:  # module:Class, your own: it is trusted to say what it needs when made
         return {}
     offline = [task.name for task in tasks if kind_for(cfg.sandbox, task.environment) == "local"
                and DOWNLOADS.search((task.tests_dir / "test.sh").read_text(errors="replace"))]

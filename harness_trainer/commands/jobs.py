@@ -80,7 +80,8 @@ def gpu_count(flavor: str) -> int:
 
 
 def _train_config(train_args: list[str]):
-    from harness_trainer.commands.train import ConfigError, parse_train_args
+    from harness_trainer._exceptions import ConfigError
+    from harness_trainer.commands.train import parse_train_args
 
     if any(a in ("--vllm-url", "--engine-port") or a.startswith(("--vllm-url=", "--engine-port=")) for a in train_args):
         raise JobError("leave out --vllm-url/--engine-port: the job starts its own engine on GPU 0")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from harness_trainer.commands.flags import Deprecated
+from harness_trainer.models.tiny import ARCHS
 
 
 def _model_tiny(args: argparse.Namespace) -> int:
@@ -89,7 +90,7 @@ def add_model_parsers(sub) -> None:
     tiny = model_sub.add_parser(
         "tiny", help="a tiny random model (Qwen2, Qwen3 or Llama shaped) with a locally trained tokenizer (cached "
                      "by its parameters)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tiny.add_argument("--arch", default="qwen2", choices=("qwen2", "qwen3", "llama"),
+    tiny.add_argument("--arch", default="qwen2", choices=ARCHS,
                       help="architecture, with its family's chat template (qwen3: <think> reasoning; llama: Llama 3 "
                            "JSON tool calls)")
     tiny.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the input embedding")

@@ -23,14 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from harness_trainer.commands.flags import (
-    ArgumentParser,
-    ConfigError,
-    add_config_flags,
-    build_config,
-    config_values,
-    fields_of,
-)
+from harness_trainer._exceptions import ConfigError
+from harness_trainer.commands.flags import ArgumentParser, add_config_flags, build_config, config_values, fields_of
 from harness_trainer.rollouts.config import RolloutConfig, option
 from harness_trainer.training.config import AsyncGRPOConfig
 
@@ -165,12 +159,8 @@ def white_box(cfg) -> tuple | None:
     """For --environment: the class (checked: it builds, has reset, its tools' schemas build) and the rows."""
     if not cfg.environment:
         return None
-    from harness_trainer.rollouts.environments import (
-        EnvironmentContractError,
-        check_environment,
-        load_object,
-        load_rows,
-    )
+    from harness_trainer._exceptions import EnvironmentContractError
+    from harness_trainer.rollouts.environments import check_environment, load_object, load_rows
 
     try:
         environment = load_object(cfg.environment, "--environment")
@@ -180,13 +170,14 @@ def white_box(cfg) -> tuple | None:
         raise ConfigError(str(exc)) from None
 
 
-def follow_training(cfg: TrainRunConfig, model, tasks, resume: str | None) -> dict:
+def follow_training(cfg: TrainRunConfig, ready: Prepared) -> dict:
     """A rank > 0 of `accelerate launch` / `torchrun`: no engine, proxy or rollout of its own; it steps on rank 0's
     groups, joins the gathers FSDP needs, and takes part in writing final/."""
     from harness_trainer.training.trainer import HarnessAsyncGRPOTrainer
 
-    trainer = HarnessAsyncGRPOTrainer(str(model.path), lambda sampling: None,
-                                      dataclasses.replace(cfg, resume_from_checkpoint=resume), tasks)
+    args = dataclasses.replace(cfg, resume_from_checkpoint=ready.resume, weight_sync_backend=ready.weight_sync_backend)
+    trainer = HarnessAsyncGRPOTrainer(str(ready.model.path), lambda sampling: None, args, ready.tasks,
+                                      placement=ready.placement)
     trainer.train()
     if trainer.lead_failed:  # rank 0 stopped with an error: it writes no final/, so no gather to join
         return {"rank": trainer.rank, "steps": trainer.step, "failed": True}
@@ -204,20 +195,23 @@ class Prepared:
     reward_fn: object
     reward_funcs: object
     resume: str | None
-    placement: object  # serving/placement.py Placement
+    placement: object  # serving/placement.py Placement: decided here, once, and passed to all who need it
+    weight_sync_backend: str  # the backend the run syncs with (the one asked for, else the placement's)
     teacher: object = None  # --teacher-model's ModelRef
 
 
 def prepare(cfg: TrainRunConfig) -> Prepared:
     """Everything that can fail offline fails here: the agent, tasks, model, sandboxes, rewards, the checkpoint
     to resume and the GPU layout; ConfigError (or the part's own error) names what to change."""
+    from harness_trainer._exceptions import PlacementError
     from harness_trainer.agents.harnesses import make_harness
     from harness_trainer.agents.sandboxes import check_task_sandboxes
     from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
     from harness_trainer.rollouts.services import run_placement
     from harness_trainer.rollouts.tasks import load_dataset
-    from harness_trainer.serving.placement import PlacementError
+    from harness_trainer.serving.placement import resolve_weight_sync
+    from harness_trainer.training.policy_sync import check_backend
 
     environment = white_box(cfg)
     if environment is None:
@@ -243,6 +237,8 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
         placement = run_placement(cfg, cfg.trainer_gpus, training=True)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
+    backend = resolve_weight_sync(cfg.weight_sync_backend, cfg.use_peft, placement)
+    check_backend(backend, cfg)
     teacher = None
     if cfg.teacher_model:  # its tokenizer checked against the student's before any engine starts
         from harness_trainer.serving.teacher import check_same_tokenizer
@@ -253,7 +249,7 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
                               "--teacher-url")
         teacher = model_or_default(cfg.teacher_model)
         check_same_tokenizer(str(model.path), str(teacher.path))
-    return Prepared(environment, tasks, model, reward_fn, reward_funcs, resume, placement, teacher)
+    return Prepared(environment, tasks, model, reward_fn, reward_funcs, resume, placement, backend, teacher)
 
 
 @contextlib.contextmanager
@@ -280,7 +276,7 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     environment, model, resume, placement = ready.environment, ready.model, ready.resume, ready.placement
     out = Path(cfg.output_dir)
     if int(os.environ.get("RANK", "0")) != 0:  # rank 0 owns the engine, proxy and rollouts: this rank trains on
-        return follow_training(cfg, model, ready.tasks, resume)  # the groups it hands over (training/distributed.py)
+        return follow_training(cfg, ready)  # the groups it hands over (training/distributed.py)
     reporter = MetricsReporter(cfg.report_to, out.name, dataclasses.asdict(cfg))
     for url in cfg.vllm_url or []:
         check_attached_engine(VLLMServer.attach(url), cfg)  # answers, serves what a sync can reach
@@ -296,14 +292,15 @@ def run_training(cfg: TrainRunConfig, callbacks: list | None = None) -> dict:
     with run_services(cfg, out, model=model, environment=environment and environment[0],
                       rollouts_dir=out / "rollouts", supervise=True,
                       lora_rank=cfg.lora_rank if cfg.use_peft else 0, max_loras=cfg.max_staleness + 2,
-                      placement=placement, weight_sync_backend=cfg.weight_sync_backend) as services, \
+                      placement=placement, weight_sync_backend=ready.weight_sync_backend) as services, \
             teacher_engine(cfg, ready.teacher, out) as teacher_url:
         # 3. The trainer, driving rollouts through the proxy and syncing into the same engine.
         args = dataclasses.replace(cfg, vllm_server_base_url=services.engine.url, resume_from_checkpoint=resume,
-                                   teacher_url=teacher_url, teacher_model=None)
+                                   teacher_url=teacher_url, teacher_model=None,
+                                   weight_sync_backend=ready.weight_sync_backend)
         trainer = HarnessAsyncGRPOTrainer(str(model.path), services.session_factory, args, ready.tasks,
                                           rollout_reward_fn=ready.reward_fn, reward_funcs=ready.reward_funcs,
-                                          callbacks=[*(callbacks or []), reporter])
+                                          callbacks=[*(callbacks or []), reporter], placement=placement)
         reporter.start()
         try:
             trainer.train()

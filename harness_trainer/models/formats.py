@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness_trainer.models.hub import ModelError
+from harness_trainer._exceptions import ModelError
 
 
 @dataclass(frozen=True)

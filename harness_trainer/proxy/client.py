@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from harness_trainer._exceptions import CaptureNotTrainable, ProxyError
-from harness_trainer.serving.process import ManagedProcess, ProcessError, free_port
+from harness_trainer._exceptions import CaptureNotTrainable, ProcessError, ProxyError
+from harness_trainer.serving.process import ManagedProcess, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from mitmproxy import ctx, http
 
+from harness_trainer._exceptions import NoEngine, NotTrainable
 from harness_trainer.proxy.capture import SamplingPolicy
-from harness_trainer.proxy.engines import NoEngine
-from harness_trainer.proxy.session import NotTrainable, rollout_document, training_trace
+from harness_trainer.proxy.session import rollout_document, training_trace
 
 
 def json_response(status: int, body) -> http.Response:

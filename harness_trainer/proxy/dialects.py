@@ -10,11 +10,34 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Protocol
 
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.capture import strip_injected
 from harness_trainer.proxy.responses import ResponsesDialect
 from harness_trainer.proxy.translate import sse
+
+
+class DialectStream(Protocol):
+    """One answer's SSE stream, rewritten event by event into the agent's dialect."""
+
+    def event(self, raw: bytes, chunk: dict | None) -> bytes: ...
+    def done(self) -> bytes: ...
+    def failed(self, message: str) -> bytes: ...
+
+
+class Dialect(Protocol):
+    """What the proxy needs of a client dialect (the addon calls nothing else): the routes it answers, the
+    request as a chat completion and back, its stream, the clean stop and the error in its own shape."""
+    name: str
+    paths: tuple[str, ...]
+
+    def to_chat(self, body: dict) -> dict: ...
+    def wants_stream(self, body: dict) -> bool: ...
+    def from_chat(self, answer: dict, asked: dict) -> dict: ...
+    def stream_translator(self, asked: dict) -> DialectStream: ...
+    def stop_answer(self, asked: dict, model: str, text: str, stream: bool) -> bytes: ...
+    def error(self, status: int, message: str) -> dict: ...
 
 
 class ChatDialect:
@@ -77,13 +100,10 @@ class ChatStream:
         return sse({"error": {"message": message, "type": "server_error", "code": 500}})
 
 
+DIALECTS: list[Dialect] = [ChatDialect(), AnthropicDialect(), ResponsesDialect()]
+BY_PATH: dict[str, Dialect] = {path: dialect for dialect in DIALECTS for path in dialect.paths}  # the registry
 
-DIALECTS = [ChatDialect(), AnthropicDialect(), ResponsesDialect()]
 
-
-def dialect_for(path: str):
-    path = path.split("?", 1)[0].rstrip("/")
-    for dialect in DIALECTS:
-        if path in dialect.paths:
-            return dialect
-    return None
+def dialect_for(path: str) -> Dialect | None:
+    """The dialect a request's path speaks, or None (not a model call)."""
+    return BY_PATH.get(path.split("?", 1)[0].rstrip("/"))

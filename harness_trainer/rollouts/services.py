@@ -113,7 +113,7 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
 def environment_sessions(environment_factory, args) -> tuple[Callable, ProxyServer]:
     """For a trainer given only environment_factory (TRL's call shape): a capture proxy of its own in front of
     args.vllm_server_base_url (started and stopped by the trainer) and the session factory over it."""
-    from harness_trainer.rollouts.environments import EnvironmentContractError
+    from harness_trainer._exceptions import EnvironmentContractError
 
     if not args.vllm_server_base_url:
         raise EnvironmentContractError("an environment_factory run samples from vLLM through the capture proxy: set "

@@ -32,12 +32,12 @@ from typing import Protocol
 from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer._exceptions import CaptureContractError
+from harness_trainer._exceptions import CaptureContractError, CaptureNotTrainable, ProxyError, SandboxError
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
-from harness_trainer.agents.sandbox import ExecResult, Sandbox, SandboxError
+from harness_trainer.agents.sandbox import ExecResult, Sandbox
 from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
 from harness_trainer.proxy.capture import SamplingPolicy
-from harness_trainer.proxy.client import CaptureNotTrainable, ProxyClient, ProxyError
+from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
@@ -77,6 +77,11 @@ class RolloutRecord:
     truncated: str = ""  # why a limit (time, model calls, context, tokens) cut it; "" when it ended on its own
     environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
     #                                                                         its group is scored (not saved)
+
+    @property
+    def group_reward(self) -> float | None:
+        """What its group's advantages see: the reward, or None for an unscorable rollout (left out, never 0)."""
+        return None if self.status == "unscorable" else self.reward
 
 
 class RolloutSession(Protocol):

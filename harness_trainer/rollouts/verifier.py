@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from harness_trainer.agents.sandbox import Sandbox, SandboxError
+from harness_trainer._exceptions import SandboxError
+from harness_trainer.agents.sandbox import Sandbox
 from harness_trainer.rollouts.tasks import Task
 
 TEST_STDOUT = "/logs/verifier/test-stdout.txt"
@@ -95,11 +96,6 @@ def training_reward(rewards: dict[str, float], reward_key: str, source: str) -> 
         return value, f"{source}[{key}] (its only key)"
     return None, (f"{source} has {', '.join(sorted(rewards))} and no '{reward_key}': pass --reward-key with the one "
                   "to train on, or a rollout_reward_fn that combines them")
-
-
-def read_reward(sandbox: Sandbox, reward_key: str = "reward") -> tuple[float | None, str]:
-    rewards, source = read_rewards(sandbox)
-    return (None, source) if rewards is None else training_reward(rewards, reward_key, source)
 
 
 def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> VerifierResult:

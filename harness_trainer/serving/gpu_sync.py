@@ -29,8 +29,9 @@ from urllib.parse import urlparse
 
 import httpx
 
+from harness_trainer._exceptions import WeightSyncError
 from harness_trainer.serving.process import HEALTH_EVERY_S, engine_answers, free_port
-from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL, WeightSyncError, post_step
+from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL, post_step
 
 
 def transfer_available() -> str | None:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import httpx
 
-from harness_trainer._exceptions import ConfigError
+from harness_trainer._exceptions import ConfigError, WeightSyncError
 from harness_trainer.models.untie import HEAD_FILE
 from harness_trainer.serving.sync_steps import (
     BACKENDS,
@@ -39,7 +39,6 @@ from harness_trainer.serving.sync_steps import (
     LORA,
     RELOAD,
     VLLM_LORA_RANKS,
-    WeightSyncError,
     lora_rank_served,
     post_step,
 )

@@ -26,6 +26,8 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 SCALE_REWARDS = ("none", "group", "batch")
 IS_MODE_OF = {"tis": "token_truncate", "mis": "token_mask"}  # the deprecated is_mode's values
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CHOICES = {"loss_type": LOSS_TYPES, "vllm_importance_sampling_mode": IS_MODES, "scale_rewards": SCALE_REWARDS,
+           "importance_sampling_level": ("token", "sequence")}  # the loss's settings with a fixed set of values
 POSITIVE = ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
             "groups_per_step", "lora_rank", "max_completion_length", "dynamic_sampling_max_tries")
 
@@ -225,10 +227,8 @@ class AsyncGRPOConfig:
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
                               f"got {self.max_tokens_per_microbatch!r}")
-        for name, allowed in (("loss_type", LOSS_TYPES), ("vllm_importance_sampling_mode", IS_MODES),
-                              ("scale_rewards", SCALE_REWARDS), ("importance_sampling_level", ("token", "sequence"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: choose one of {', '.join(allowed)}")
+        for name, allowed in CHOICES.items():
+            choose(name, getattr(self, name), allowed)
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
         if not 0 <= self.distillation_weight <= 1:
@@ -246,6 +246,12 @@ class AsyncGRPOConfig:
                               f"({VLLM_LORA_RANKS[-1]}): choose {VLLM_LORA_RANKS[-1]} or less")
         if hasattr(super(), "check"):  # a run's config: the rollout settings' rules too
             super().check()
+
+
+def choose(name: str, value, allowed) -> None:
+    """A setting with a fixed set of values (the config's check, and the loss's own settings: grpo.LossConfig)."""
+    if value not in allowed:
+        raise ConfigError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(allowed)}")
 
 
 def same_as(name: str, default=dataclasses.MISSING):

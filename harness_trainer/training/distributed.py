@@ -15,7 +15,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from harness_trainer.rollouts.config import RolloutConfig
 from harness_trainer.serving.placement import Placement, plan_placement
 
 COLLECTIVE_TIMEOUT = timedelta(hours=6)
@@ -23,14 +22,12 @@ FAILED = "failed"  # rank 0's last broadcast when its loop raised: the followers
 
 
 def trainer_placement(args) -> Placement:
-    """The run's layout as this process sees its GPUs (serving/placement.py: --trainer-gpus, else the GPUs the
-    engine does not take, else the engine's one); the CPU's when it sees none. `args`: an AsyncGRPOConfig, or
-    harness-train's run config, which also holds the engines' settings (a RolloutConfig)."""
+    """For a trainer made without one (the Python API, attached to one engine it did not launch): the layout as
+    this process sees its GPUs (serving/placement.py: --trainer-gpus, else the GPUs the engine does not take,
+    else the engine's one); the CPU's when it sees none. `harness-train` decides its run's placement once, with
+    the engines' settings, and passes it in (commands/train.py: prepare)."""
     visible = tuple(str(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
-    if isinstance(args, RolloutConfig):  # the CLI's run: it launched the engines unless given --vllm-url
-        return plan_placement(visible, args.engine_gpus, args.trainer_gpus, args.engines, args.engine_memory_share,
-                              attached=bool(args.vllm_url))
-    return plan_placement(visible, None, args.trainer_gpus, 1, 0.45, attached=True)  # the API attaches to one
+    return plan_placement(visible, None, args.trainer_gpus, 1, 0.45, attached=True)
 
 
 def trainer_device(placement: Placement) -> torch.device:

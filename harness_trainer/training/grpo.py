@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness_trainer.training.config import LOSS_TYPES
+from harness_trainer.training.config import CHOICES, choose
 
 SEQUENCE_AGGREGATES = ("grpo", "sapo", "dr_grpo", "luspo")  # need to know which sequence a token is in
 
@@ -104,6 +104,11 @@ class LossConfig:
                    distillation_weight=args.distillation_weight if getattr(args, "teacher_url", None) else 0.0,
                    ratio_to="behaviour" if getattr(args, "loss_mode", None) == "ppo" else "proximal")
 
+    def __post_init__(self):  # built from a checked config, or by hand (the parity tests): the same rules
+        for name, allowed in CHOICES.items():
+            if hasattr(self, name):
+                choose(name, getattr(self, name), allowed)
+
     @property
     def whole_batch(self) -> bool:
         """Does a token's loss depend on other tokens' current logprobs or entropies (a sequence's mean ratio, a
@@ -142,8 +147,6 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
     when it does not recompute them). Token-wise losses may be called on a part of the step's tokens and summed;
     with cfg.whole_batch the call must hold the whole batch. `teacher`: the teacher's logprobs of these tokens
     (NaN where none), mixed into the advantage by cfg.distillation_weight (training/distill.py)."""
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type '{cfg.loss_type}': choose one of {', '.join(LOSS_TYPES)}")
     needs_sequences = cfg.loss_type in SEQUENCE_AGGREGATES or cfg.whole_batch
     if sequences is None and needs_sequences:
         raise ValueError(f"loss_type {cfg.loss_type} with these settings needs each token's sequence (sequences=)")

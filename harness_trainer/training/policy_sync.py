@@ -25,13 +25,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from harness_trainer._exceptions import ConfigError, TrainingStopped
+from harness_trainer._exceptions import ConfigError, ServiceDown, TrainingStopped, WeightSyncError
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.process import engine_answers
-from harness_trainer.serving.supervise import ServiceDown, wait_for
+from harness_trainer.serving.supervise import wait_for
 from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, IPC, LORA, RELOAD
-from harness_trainer.serving.weight_sync import WeightSync, WeightSyncError, make_weight_sync, weight_version
+from harness_trainer.serving.weight_sync import WeightSync, make_weight_sync, weight_version
 from harness_trainer.training.policy import PROBE_IDS
 from harness_trainer.training.protocols import TrainablePolicy
 

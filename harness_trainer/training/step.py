@@ -50,7 +50,7 @@ def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "n
     seen: set = set()
     chains, advantages, rewards_all, verifier, zero_groups, lengths, masked = [], [], [], [], 0, [], 0
     terms: dict[str, list[float]] = {}
-    scored = [[r.reward if r.status != "unscorable" else None for r in records] for records in groups]
+    scored = [[r.group_reward for r in records] for records in groups]
     batch_std = sample_std([r for rewards in scored for r in rewards if r is not None])
     for records, rewards in zip(groups, scored):
         for record in records:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from harness_trainer._exceptions import ConfigError
+from harness_trainer._exceptions import ConfigError, TrainingStopped
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.rollouts.config import check_white_box
 from harness_trainer.rollouts.environments import load_rows
@@ -63,7 +63,7 @@ from harness_trainer.training.distill import score_with_teacher
 from harness_trainer.training.distributed import FAILED, broadcast, init_distributed, trainer_device, trainer_placement
 from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
-from harness_trainer.training.policy_sync import PolicySync, TrainingStopped, check_backend
+from harness_trainer.training.policy_sync import PolicySync, check_backend
 from harness_trainer.training.protocols import EngineSync, TrainablePolicy
 from harness_trainer.training.trust_region import StabilityMonitor
 
@@ -328,7 +328,7 @@ class HarnessAsyncGRPOTrainer:
                 metrics["dropped_stale"] += 1
                 metrics["cancelled"] += cancelled
             elif args.dynamic_sampling and group_advantages(
-                    [r.reward if r.status != "unscorable" else None for r in group.records]).zero_variance:
+                    [r.group_reward for r in group.records]).zero_variance:
                 metrics["dynamic_skipped"] = metrics.get("dynamic_skipped", 0) + 1
             else:
                 groups.append(group.records)

@@ -21,13 +21,14 @@ from faults import AGENT_HARNESS
 from stubs import Link, wait_until
 from test_trainer import say_task  # reward 1 when the agent's answer starts with a digit
 
+from harness_trainer._exceptions import TrainingStopped
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_task
 from harness_trainer.serving.process import free_port
 from harness_trainer.serving.supervise import Supervisor
 from harness_trainer.traces.files import TrainingTrace
-from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, TrainingStopped
+from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 
 def make_trainer(tmp_path: Path, model, engine_url: str, proxy: ProxyClient, instruction: str,

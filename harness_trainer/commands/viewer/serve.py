@@ -22,7 +22,8 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import unquote
 
-from harness_trainer.commands.viewer.runs import CHUNK, Decoder, RunFolder, ViewerError, find_runs, find_tokenizer
+from harness_trainer._exceptions import ViewerError
+from harness_trainer.commands.viewer.runs import CHUNK, Decoder, RunFolder, find_runs, find_tokenizer
 from harness_trainer.models.hub import resolve_model
 
 STATIC = ("index.html", "app.js", "app.css")
