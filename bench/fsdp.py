@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/fsdp.py [--scales 0.125 0.25]
 
-One trainer step (`trainer.policy.step`: pack, micro-batched tree forward/backward, the trust region's measuring forward,
+One trainer step (`trainer.policy.step`: pack, micro-batched tree forward/backward, the trust region's measuring
+forward,
 AdamW) on a G = 8 group shaped like opencode's (bench/scale.py: a shared prompt, then turns of 100 sampled and 400
 tool tokens), at each scale and twice that, for: `one` (a single process) and `fsdp` (2 ranks under torchrun,
 `--distributed fsdp`, each packing half the rollouts). Printed: unique tokens, step time, peak RSS per rank, and

@@ -5,7 +5,8 @@
 For each model config (randomly initialised: no hub here) and dtype it builds one GRPO group of G multi-turn
 rollouts that share a system prompt and task, then computes the policy loss and its gradients both ways:
 
-    tree   packing.pack -> tree_forward.tree_logprobs  (the tree in depth-first order, tree attention, positions = depth)
+    tree   packing.pack -> tree_forward.tree_logprobs  (the tree in depth-first order, tree attention, positions =
+    depth)
     naive  rows.chain_logprobs per chain     (one causal row per chain)
 
 and checks they agree (fp32: to rounding; bf16: cosine of the gradients), then takes one AdamW step on the

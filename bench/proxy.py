@@ -187,7 +187,7 @@ async def measure(label: str, targets: dict, *, n_latency: int, n_ttft: int, str
     lat: dict[str, list[float]] = {name: [] for name in targets}
     first: dict[str, list[float]] = {name: [] for name in targets}
     async with httpx.AsyncClient(timeout=300) as client:
-        for name, (base, key) in sessions.items():  # warm-up
+        for base, key in sessions.values():  # warm-up
             await one_call(client, base, key, 1)
         for _ in range(n_latency):  # interleaved, so drift hits every target alike
             for name, (base, key) in sessions.items():

@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from harness_trainer.agents.sandbox import LocalSandbox
@@ -57,7 +58,7 @@ def main() -> None:
                 for concurrency in CONCURRENCY:
                     started = time.perf_counter()
                     with ThreadPoolExecutor(concurrency) as pool:
-                        records = list(pool.map(lambda t: run_rollout(factory, t), tasks))
+                        records = list(pool.map(partial(run_rollout, factory), tasks))
                     minutes = (time.perf_counter() - started) / 60
                     assert all(r.outcome.env_reward == 1.0 for r in records), \
                         [(label, r.task, r.status, r.reason) for r in records]

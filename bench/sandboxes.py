@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -65,14 +66,15 @@ def main() -> None:
     results = {name: [] for name in kinds}
     for i in range(args.trials):  # interleaved: the machine's noise falls on both alike
         for name, make in kinds.items():
-            results[name].append(trial(lambda: make(i)))
+            results[name].append(trial(partial(make, i)))
     print(f"{'sandbox':<12} {'start s':>8} {'exec s':>8} {'stop s':>8} {'total s':>8}   (medians of {args.trials})")
     medians = {}
     for name, runs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
         print(f"{name:<12} {m['start']:>8.3f} {m['exec']:>8.3f} {m['stop']:>8.3f} {m['total']:>8.3f}")
-    print(f"container / bubblewrap, total per trial: {medians['container']['total'] / medians['bubblewrap']['total']:.1f}x")
+    ratio = medians['container']['total'] / medians['bubblewrap']['total']
+    print(f"container / bubblewrap, total per trial: {ratio:.1f}x")
     data_path(root)
     if args.rounds:
         rollouts_per_minute(args.rounds, root)
@@ -130,7 +132,8 @@ def data_path(root: Path) -> None:
     for size in sizes:
         d, f = direct[str(size)], jailed[str(size)]
         print(f"{size / 1000:>8.0f} KB          {d:>9.4f} {f:>12.4f} {f / d:>6.2f}")
-    print("forwarder peak RSS: " + ", ".join(f"{kb} KB after {size / 1000:.0f} KB bodies" for size, kb in peaks.items()))
+    print("forwarder peak RSS: " +
+          ", ".join(f"{kb} KB after {size / 1000:.0f} KB bodies" for size, kb in peaks.items()))
     print(f"\n{'context':<10} {'digest s':>9} {'cached s':>9}")
     context = root / "context"
     for k in range(4):
@@ -168,12 +171,13 @@ def rollouts_per_minute(rounds: int, root: Path) -> None:
             for name, factory in factories.items():
                 started = time.perf_counter()
                 with ThreadPoolExecutor(len(tasks)) as pool:
-                    records = list(pool.map(lambda t: run_rollout(factory, t), tasks))
+                    records = list(pool.map(partial(run_rollout, factory), tasks))
                 seconds[name] += time.perf_counter() - started
                 done[name] += len(records)
                 assert all(r.status in ("ok", "timeout") for r in records), [(r.status, r.reason) for r in records]
     rates = {name: done[name] / seconds[name] * 60 for name in seconds}
-    print(f"\nrollouts/min of the tiny model through mini-swe-agent (compact), {rounds} rounds of {len(tasks)} at once:")
+    print(f"\nrollouts/min of the tiny model through mini-swe-agent (compact), {rounds} rounds of {len(tasks)} "
+          "at once:")
     for name, rate in rates.items():
         print(f"{name:<12} {rate:6.1f}")
     print(f"container / bubblewrap: {rates['container'] / rates['bubblewrap']:.2f}x")

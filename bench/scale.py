@@ -144,7 +144,8 @@ def bookkeeping() -> list[str]:
             best = -1
             for other in turns:
                 seq = full[other.node_id]
-                if other is not t and best < len(seq) <= len(t.prompt_token_ids) and t.prompt_token_ids[:len(seq)] == seq:
+                if other is not t and best < len(seq) <= len(t.prompt_token_ids) \
+                        and t.prompt_token_ids[:len(seq)] == seq:
                     best = len(seq)
 
     lines, times = [], {}

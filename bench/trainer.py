@@ -28,7 +28,8 @@ def collect(args) -> str:
     from harness_trainer.commands.evaluate import EvalConfig, evaluate
 
     out = tempfile.mkdtemp(prefix="bench-trainer-")
-    evaluate(EvalConfig(dataset="builtin:bugfix", policy="oracle", num_generations=args.group, max_concurrent_rollouts=4,
+    evaluate(EvalConfig(dataset="builtin:bugfix", policy="oracle", num_generations=args.group,
+                        max_concurrent_rollouts=4,
                         vllm_url=args.vllm_url, output_dir=out))
     return f"{out}/traces.jsonl"
 
@@ -97,7 +98,8 @@ def main() -> None:
             t0 = time.perf_counter()
             tree = pack(chains)
             logp = tree_logprobs(model, tree)
-            loss, _ = policy_loss(logp, tree.behaviour[tree.trained], torch.ones_like(logp), LossConfig(ratio_to="behaviour"),
+            loss, _ = policy_loss(logp, tree.behaviour[tree.trained], torch.ones_like(logp),
+                                  LossConfig(ratio_to="behaviour"),
                                   total_tokens=total)
             loss.backward()
             tree_times.append(time.perf_counter() - t0)

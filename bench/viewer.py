@@ -1,6 +1,7 @@
 """How the run viewer's data side grows with the run: the index over many rollouts, one rollout with a long trace.
 
-Writes synthetic run folders in the real formats (rollouts.jsonl records as rollouts/records.py's record_line writes them,
+Writes synthetic run folders in the real formats (rollouts.jsonl records as rollouts/records.py's record_line writes
+them,
 traces.jsonl as OpenEnv TrainingTraces, each turn's prompt = the previous turn's prompt + completion + a tool
 answer, as an agent's history grows) and measures, side by side in one run:
 
@@ -111,14 +112,16 @@ def main() -> int:
         print(f"index: {args.turns} turns of up to {args.context} tokens per rollout")
         for r in rows:
             print("  " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
-        print("  x2 rollouts -> " + "  ".join(f"{k} x{rows[1][k] / rows[0][k]:.2f}" for k in ("index s", "peak MiB", "held MiB")))
+        print("  x2 rollouts -> " +
+              "  ".join(f"{k} x{rows[1][k] / rows[0][k]:.2f}" for k in ("index s", "peak MiB", "held MiB")))
         longs = []
         for length in (args.long, 2 * args.long):
             longs.append(measure_rollout(write_run(root / f"long-{length}", 1, args.long_turns, length)))
         print(f"one rollout of {args.long_turns} turns")
         for r in longs:
             print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
-        print("  x2 context -> " + "  ".join(f"{k} x{longs[1][k] / longs[0][k]:.2f}" for k in ("open s", "rollout KB", "piece s", "piece KB")))
+        print("  x2 context -> " + "  ".join(f"{k} x{longs[1][k] / longs[0][k]:.2f}"
+                                             for k in ("open s", "rollout KB", "piece s", "piece KB")))
     return 0
 
 

@@ -309,7 +309,8 @@ def test_reward_plugins(tmp_path, monkeypatch):
     bonus = resolve_reward_fn("verifier+tools")
     assert bonus(outcome(1.0, calls=3)) == pytest.approx(1.0 + 0.3 * 0.8)
     assert bonus(outcome(0.0, calls=1)) == 0.0 and bonus(outcome(None)) is None
-    (tmp_path / "my_rewards.py").write_text("def short(o):\n    return None if o.env_reward is None else -o.tool_call_count\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(o):\n    return None if o.env_reward is None else -o.tool_call_count\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = resolve_reward_fn("my_rewards:short")
     assert score(fn, outcome(1.0, calls=4)) == -4.0 and score(fn, outcome(None)) is None

@@ -48,7 +48,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     assert load_task(tmp_path / "corpus" / "image").verifier_env == {"EXPECTED": "eight"}
     assert load_task(tmp_path / "corpus" / "plain").verifier_timeout_s == 60
     # the defaults are Harbor's
-    (tmp_path / "corpus" / "plain" / "task.toml").write_text('[metadata]\nx = 1\n\n[verifier.odd]\n[frobnicate]\nk = 1\n')
+    (tmp_path / "corpus" / "plain" / "task.toml").write_text(
+        '[metadata]\nx = 1\n\n[verifier.odd]\n[frobnicate]\nk = 1\n')
     assert load_task(tmp_path / "corpus" / "plain").verifier_timeout_s == 600
     assert "unknown key frobnicate" in capsys.readouterr().err  # warned, not fatal
     # every problem of every task in one error; or the readable ones with --skip-invalid-tasks
@@ -56,8 +57,9 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     for make in (plain_task, build_task):
         make(bad)
     multi_step_task(bad)
-    (bad / "build" / "task.toml").write_text('[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\n'
-                                             '[environment]\nnetwork_mode = "allowlist"\n')
+    (bad / "build" / "task.toml").write_text(
+        '[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\n'
+        '[environment]\nnetwork_mode = "allowlist"\n')
     with pytest.raises(TaskError) as refused:
         load_dataset(str(bad))
     message = str(refused.value)
@@ -133,7 +135,8 @@ def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, t
 
 @pytest.mark.parametrize("harness,config", [
     ("mini-swe-agent", "compact"),
-    pytest.param("opencode", "compact", marks=pytest.mark.slow), pytest.param("claude-code", "bare", marks=pytest.mark.slow),
+    pytest.param("opencode", "compact", marks=pytest.mark.slow), pytest.param("claude-code", "bare",
+                                                                              marks=pytest.mark.slow),
     pytest.param("codex", None, marks=pytest.mark.slow)],
     ids=["mini-swe-agent", "opencode", "claude-code", "codex"])
 def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine, docker, tmp_path):

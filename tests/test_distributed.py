@@ -87,7 +87,8 @@ RUN = textwrap.dedent("""
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
     engine, proxy, key, model, task, out, script = sys.argv[1:8]
     factory = partial(LocalSessionFactory, proxy=ProxyClient(proxy, key),
-                      harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"), output_dir=out + "/r")
+                      harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"),
+                      output_dir=out + "/r")
     HarnessAsyncGRPOTrainer(model, factory, AsyncGRPOConfig(
         output_dir=out + "/run", vllm_server_base_url=engine, num_generations=4, max_concurrent_rollouts=4,
         max_steps=2, save_steps=1, learning_rate=1e-3, max_completion_tokens=4), [load_task(task)]).train()

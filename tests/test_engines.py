@@ -104,7 +104,8 @@ def test_each_session_keeps_its_engine_and_sessions_spread_over_both(engine, sec
         # Affinity, as the engines themselves count it: each served exactly the 2 x 3 calls of its own sessions.
         assert {url: finished_requests(url) - before[url] for url in urls} == {engine.url: 6, second_engine.url: 6}
         for s in sessions:
-            assert proxy.client.session(s["id"])["calls"] == 3 and proxy.client.session(s["id"])["upstream"] == s["upstream"]
+            state = proxy.client.session(s["id"])
+            assert state["calls"] == 3 and state["upstream"] == s["upstream"]
         reported = {e["url"]: e for e in proxy.client.engines()}
         for url in urls:
             assert reported[url]["state"] == "ready" and reported[url]["sessions"] == 2

@@ -341,7 +341,8 @@ def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path, capsys)
     common = ["--environment", prefix + "MultiEnv", "--reward-funcs", f"{prefix}wordle_reward,{prefix}echo_reward",
               "--dataset", str(EXAMPLES / "multi_env.jsonl"), "--vllm-url", fresh_engine.url]
     assert main([*common, "--max-steps", "2", "--num-generations", "2", "--max-concurrent-rollouts", "2",
-                 "--max-completion-tokens", "16", "--report-to", "none", "--output-dir", str(tmp_path / "train")]) == 0, \
+                 "--max-completion-tokens", "16", "--report-to", "none", "--output-dir",
+                 str(tmp_path / "train")]) == 0, \
         capsys.readouterr().err[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(any(k.startswith("rewards/") for k in m) for m in metrics)

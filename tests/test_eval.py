@@ -26,7 +26,8 @@ def test_oracle_solves_the_bugfix_set(engine, tmp_path):
 def test_oracle_slips_on_every_task_at_the_same_rate(engine, tmp_path):
     """Mistake rate 0.5, two attempts per task: every task is solved exactly once; the other attempt is the
     plausible slip (redirection forgotten: `echo W F`), well formed and scored 0 by the task's own verifier."""
-    summary, records = evaluate(EvalConfig(dataset="builtin:toy-heldout", limit=2, num_generations=2, vllm_url=engine.url,
+    summary, records = evaluate(EvalConfig(dataset="builtin:toy-heldout", limit=2, num_generations=2,
+                                           vllm_url=engine.url,
                                            policy="oracle", oracle_mistake_rate=0.5, max_concurrent_rollouts=4,
                                            output_dir=str(tmp_path)))
     assert summary.rollouts == 4 and summary.wins == 2 and summary.invalid_tool_calls == 0
@@ -92,7 +93,8 @@ def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one
                          ids=["mini-swe-agent", "opencode", "opencode-compact"])
 def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp_path, harness, mode):
     summary, records = evaluate(EvalConfig(harness=harness, agent_config=mode, dataset="builtin:toy-heldout", limit=2,
-                                           vllm_url=engine.url, max_concurrent_rollouts=2, agent_step_limit=2, max_completion_tokens=32,
+                                           vllm_url=engine.url, max_concurrent_rollouts=2, agent_step_limit=2,
+                                           max_completion_tokens=32,
                                            output_dir=str(tmp_path)))
     assert summary.rollouts == 2 and summary.unscorable == 0, [(r.status, r.reason) for r in records]
     assert all(r.outcome.env_reward is not None and r.verifier_detail == "reward.txt" for r in records)

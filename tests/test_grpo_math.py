@@ -43,7 +43,8 @@ def test_decoupled_loss_by_hand(is_mode, expected_weight):
     behaviour = torch.tensor([math.log(0.1), math.log(0.25)])  # token 1 is stale: w = 3 > bound 2
     adv = torch.tensor([1.0, 1.0])
     loss, stats = policy_loss(logp, behaviour, adv, LossConfig(vllm_importance_sampling_mode=is_mode,
-                                                                vllm_importance_sampling_clip_max=2.0, behaviour_clip=False),
+                                                                vllm_importance_sampling_clip_max=2.0,
+                                                                behaviour_clip=False),
                               total_tokens=2, proximal=proximal)
     # token 1: ratio 1, weight 3 -> truncated 2 (tis) or masked 0 (mis); token 2: ratio 0.8, weight 1
     assert float(loss) == pytest.approx(-(expected_weight * 1.0 + 1.0 * 0.8) / 2)

@@ -48,8 +48,8 @@ SCRIPT = [
     "for _ in $(seq 360); do",
     "  .venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
     "2>/dev/null && break",
-    '  kill -0 "$ENGINE" 2>/dev/null || { tail -n 40 runs/train/engine.log >&2 || true; fail "vLLM exited before it was healthy '
-    '(its log above)"; }',
+    '  kill -0 "$ENGINE" 2>/dev/null || { tail -n 40 runs/train/engine.log >&2 || true; '
+    'fail "vLLM exited before it was healthy (its log above)"; }',
     "  sleep 5",
     "done",
     ".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
@@ -197,7 +197,8 @@ def test_the_default_source_is_this_checkout_uploaded_once_to_a_private_dataset_
     posts = {path: body for method, path, _, body in FakeHub.requests if method == "POST"}
     create = posts["/api/repos/create"]
     assert (create["name"], create["type"], create["visibility"]) == ("harness-train-jobs", "dataset", "private")
-    (commit,) = [body for path, body in posts.items() if path.startswith("/api/datasets/alice/harness-train-jobs/commit/")]
+    (commit,) = [body for path, body in posts.items()
+                 if path.startswith("/api/datasets/alice/harness-train-jobs/commit/")]
     (upload,) = [line["value"] for line in commit if line["key"] == "file"]
     with tarfile.open(fileobj=io.BytesIO(base64.b64decode(upload["content"]))) as tar:
         names = tar.getnames()

@@ -35,7 +35,8 @@ def test_ruff_finds_nothing():
 @pytest.mark.parametrize("package", sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
 def test_each_package_docstring_names_every_module_it_holds(package):
     doc = (PACKAGE / package / "__init__.py").read_text()
-    missing = [m.name for m in sorted((PACKAGE / package).glob("*.py")) if m.name != "__init__.py" and m.name not in doc]
+    missing = [m.name for m in sorted((PACKAGE / package).glob("*.py"))
+               if m.name != "__init__.py" and m.name not in doc]
     assert not missing, f"harness_trainer/{package}/__init__.py does not say what these hold: {missing}"
 
 
@@ -80,7 +81,8 @@ def test_the_readme_names_every_package_and_links_only_to_docs_that_exist():
     assert not missing, f"README's package index lacks {missing}"
     for link in re.findall(r"\]\(((?:docs/)?[\w/.-]+\.(?:md|png))\)", readme):
         assert (REPO / link).exists(), f"README links to {link}, which does not exist"
-    assert len(readme.splitlines()) <= 250, "the README is the user's path: keep it within 250 lines (docs/ for the rest)"
+    assert len(readme.splitlines()) <= 250, \
+        "the README is the user's path: keep it within 250 lines (docs/ for the rest)"
 
 
 def test_docs_link_only_to_pages_that_exist():
@@ -105,3 +107,15 @@ def test_no_file_past_400_lines_without_a_reason(folder):
     long = {str(p.relative_to(REPO)): n for p in (REPO / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400 and str(p.relative_to(REPO)) not in LONG_FILES}
     assert not long, f"split these (or give a reason in LONG_FILES): {long}"
+
+
+def test_no_function_past_60_lines():
+    """An algorithm read in one sitting: a function (its docstring included) past 60 lines is split."""
+    import ast
+
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, f"split these: {long}"

@@ -170,7 +170,8 @@ def test_a_tied_model_is_served_from_an_untied_copy_that_links_the_weights():
             safe_open(str(tied / "model.safetensors"), "pt") as weights:
         assert head.get_tensor("lm_head.weight").equal(weights.get_tensor("model.embed_tokens.weight"))
     index = json.loads((copy / "model.safetensors.index.json").read_text())["weight_map"]
-    assert index["lm_head.weight"] == "lm_head.safetensors" and index["model.embed_tokens.weight"] == "model.safetensors"
+    assert index["lm_head.weight"] == "lm_head.safetensors"
+    assert index["model.embed_tokens.weight"] == "model.safetensors"
     shutil.rmtree(copy)
 
 

@@ -14,7 +14,8 @@ from harness_trainer._exceptions import CaptureNotTrainable
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
-                                          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+                                          "parameters": {"type": "object",
+                                                         "properties": {"command": {"type": "string"}}}}}]
 MESSAGES = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix the bug."}]
 
 

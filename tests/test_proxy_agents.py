@@ -34,7 +34,8 @@ def run_mini(session: dict, workdir: Path, home: Path, step_limit: int = 3) -> t
                       OPENAI_API_KEY=session["api_key"])
     result = subprocess.run(
         [str(MINI), "-m", "hosted_vllm/tiny", "-c", "mini.yaml",
-         "-c", f"model.model_kwargs.api_base={session['base_url']}", "-c", f"model.model_kwargs.api_key={session['api_key']}",
+         "-c", f"model.model_kwargs.api_base={session['base_url']}", "-c",
+         f"model.model_kwargs.api_key={session['api_key']}",
          "-c", f"agent.step_limit={step_limit}", "-c", f"environment.cwd={workdir}", "-y", "--exit-immediately",
          "-t", "List the files in this directory.", "-o", str(traj)],
         env=env, cwd=workdir, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)

@@ -30,7 +30,8 @@ def test_anthropic_json_and_stream(proxy):
     client = anthropic_client(proxy, session)
     history = [{"role": "user", "content": "list files"},
                {"role": "assistant", "content": [{"type": "text", "text": "ok"},
-                                                 {"type": "tool_use", "id": "t1", "name": "bash", "input": {"command": "ls"}}]},
+                                                 {"type": "tool_use", "id": "t1", "name": "bash",
+                                                  "input": {"command": "ls"}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"}]}]
     message = client.messages.create(model="claude-any", max_tokens=12, system="You are an agent.",
                                       messages=history, tools=[BASH])
@@ -122,7 +123,8 @@ def test_dialect_budget_stops_are_in_the_agents_dialect(proxy):
     assert message.content[0].text == "Step budget exhausted; stopping."
     client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
     events = list(client.responses.create(model="m", input="hi", stream=True))
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Step budget exhausted; stopping."
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Step budget exhausted; stopping."
 
 
 class FlakyUpstream(StubHandler):

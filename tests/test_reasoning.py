@@ -40,7 +40,8 @@ def test_anthropic_shows_reasoning_as_a_thinking_block_and_reads_it_back():
     assert starts == ["thinking", "text"]
     thinking = "".join(e["delta"]["thinking"] for e in shown if e.get("delta", {}).get("type") == "thinking_delta")
     assert thinking == "let me look"
-    assert dialect.from_chat(ANSWER, {})["content"][0] == {"type": "thinking", "thinking": "let me look", "signature": ""}
+    assert dialect.from_chat(ANSWER, {})["content"][0] == {"type": "thinking", "thinking": "let me look",
+                                                           "signature": ""}
     history = dialect.to_chat({"messages": [
         {"role": "user", "content": "list"},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "let me look", "signature": "s"},
@@ -140,7 +141,8 @@ def test_reasoning_is_captured_with_mask_one_in_every_dialect(qwen3_proxy):
     # each dialect asks its own question (the same prompt twice would be a retry, and only one kept)
     anthropic = httpx.post(proxy.url + "/v1/messages", headers=headers, timeout=120, json={
         "model": "m", "max_tokens": 12, "messages": [{"role": "user", "content": "list all files"}], "stream": True,
-        "tools": [{"name": "bash", "description": "run a command", "input_schema": TOOLS[0]["function"]["parameters"]}]})
+        "tools": [{"name": "bash", "description": "run a command",
+                   "input_schema": TOOLS[0]["function"]["parameters"]}]})
     assert '"type":"thinking"' in anthropic.text and '"thinking_delta"' in anthropic.text
     responses = httpx.post(proxy.url + "/v1/responses", headers=headers, timeout=120, json={
         "model": "m", "input": "list the files, please", "max_output_tokens": 12,

@@ -26,7 +26,8 @@ RUN = textwrap.dedent("""
     system = [1, 50, 60, 70, 80, 90, 100, 2]
     def rollout(task, i, episode, version):  # the group of step s (its episodes are named s{s}-...) differs by s
         seed = int(episode.split("-")[0][1:])
-        traces = [[turn("a", system + [11 + seed], [300, 301, 302]), turn("b", system + [11 + seed, 300, 301, 302, 7], [303])],
+        traces = [[turn("a", system + [11 + seed], [300, 301, 302]),
+                   turn("b", system + [11 + seed, 300, 301, 302, 7], [303])],
                   [turn("c", system + [11 + seed], [400, 401 + seed])],
                   [turn("d", system + [12], [500, 501, 502, 503 + seed])]]
         return traces[i], [1.0, 0.0, 0.5][i]

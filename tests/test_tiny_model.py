@@ -62,7 +62,8 @@ def test_chat_template_renders_tool_conversation(tokenizer):
     assert '"parameters"' not in text  # one line per tool, no schema
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "bash", "arguments": {"command": "pwd"}}\n</tool_call><|im_end|>') in text
-    assert "<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\n/app\n</tool_response><|im_end|>" in text
+    assert ("<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\n/app\n"
+            "</tool_response><|im_end|>") in text
     assert "<|im_start|>user\nlist files<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 

@@ -27,7 +27,8 @@ def test_round_trip_is_exact(tmp_path):
 def test_invalid_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     bad = dict(WIRE, turns=[dict(WIRE["turns"][0], loss_mask=[1, 0, 1, 0, 1])])  # a trainable prompt token
-    path.write_text(TrainingTrace.model_validate(WIRE).model_dump_json() + "\n\n" + __import__("json").dumps(bad) + "\n")
+    path.write_text(TrainingTrace.model_validate(WIRE).model_dump_json() + "\n\n"
+                    + __import__("json").dumps(bad) + "\n")
     with pytest.raises(TraceFileError, match=r"bad\.jsonl:3 is not a valid OpenEnv TrainingTrace"):
         read_traces(path)
 

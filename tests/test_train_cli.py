@@ -1,6 +1,6 @@
-"""`harness-train` end to end: the 2-step smoke run on the embedded default with mini-swe-agent (on the
-session's engine; launching its own in the slow tier), Ctrl-C cleanup, config-file + flag precedence, and the clear errors — each of which
-must leave nothing running. `sft` on captured traces, on the exact ids."""
+"""`harness-train` end to end: the 2-step smoke run on the embedded default with mini-swe-agent (on the session's
+engine; launching its own in the slow tier), Ctrl-C cleanup, config-file + flag precedence, and the clear errors —
+each of which must leave nothing running. `sft` on captured traces, on the exact ids."""
 
 from __future__ import annotations
 
@@ -296,7 +296,8 @@ def test_sft_trains_on_the_exact_captured_ids(tiny_model_dir, tmp_path, lora):
     rows = sft_rows(tmp_path / "traces")
     assert rows[0] == {"input_ids": prompt + completion, "completion_mask": [0] * 6 + [1] * 4}
     assert main(["sft", "--traces", str(tmp_path / "traces"), "--output-dir", str(tmp_path / "sft"),
-                 "--num-train-epochs", "30", "--learning-rate", "1e-2", "--per-device-train-batch-size", "4", *lora]) == 0
+                 "--num-train-epochs", "30", "--learning-rate", "1e-2", "--per-device-train-batch-size", "4",
+                 *lora]) == 0
     ids = torch.tensor([prompt + completion])
 
     def completion_logp(folder):

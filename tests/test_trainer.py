@@ -29,7 +29,8 @@ SAY = textwrap.dedent("""
     import json, os, sys, urllib.request
     if "fail" in sys.argv[1]:
         sys.exit(127)  # an agent that cannot start
-    body = {"model": os.environ["OPENAI_MODEL"], "max_tokens": 4, "messages": [{"role": "user", "content": sys.argv[1]}]}
+    body = {"model": os.environ["OPENAI_MODEL"], "max_tokens": 4,
+            "messages": [{"role": "user", "content": sys.argv[1]}]}
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps(body).encode(),
                                  {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
                                   "Content-Type": "application/json"})
@@ -183,7 +184,8 @@ RUN = textwrap.dedent("""
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
     engine, proxy, key, model, task, out, script, lora, resume = sys.argv[1:10]
     factory = partial(LocalSessionFactory, proxy=ProxyClient(proxy, key),
-                      harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"), output_dir=out + "/r")
+                      harness=CommandHarness(f"python3 -c {shlex.quote(script)} {{instruction}}"),
+                      output_dir=out + "/r")
     HarnessAsyncGRPOTrainer(model, factory, AsyncGRPOConfig(
         output_dir=out + "/run", vllm_server_base_url=engine, num_generations=2, max_concurrent_rollouts=2,
         max_steps=5, save_steps=1, learning_rate=1e-3, resume_from_checkpoint=resume or None,

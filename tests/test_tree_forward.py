@@ -38,7 +38,10 @@ def _chains(traces):
     return [c for i, t in enumerate(traces) for c in chains_from_trace(t, i, seen)]
 
 
-def _tree_step(model, chains, budget, checkpointing=False, cfg=LossConfig(ratio_to="behaviour")):
+BEHAVIOUR_LOSS = LossConfig(ratio_to="behaviour")
+
+
+def _tree_step(model, chains, budget, checkpointing=False, cfg=BEHAVIOUR_LOSS):
     tree = pack(chains)
     total = int(tree.trained.sum())
     behaviour, adv = tree.behaviour[tree.trained], ADVANTAGES[tree.rollout[tree.trained]]
@@ -208,7 +211,8 @@ def test_one_step_on_real_opencode_traces_past_30k_tokens(engine, tiny_model_dir
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
     summary, records = evaluate(EvalConfig(
-        harness="opencode", dataset="builtin:logs", policy="oracle", num_generations=8, max_concurrent_rollouts=8, vllm_url=engine.url,
+        harness="opencode", dataset="builtin:logs", policy="oracle", num_generations=8, max_concurrent_rollouts=8,
+        vllm_url=engine.url,
         max_completion_tokens=256, oracle_mistake_rate=0.5, agent_step_limit=32,  # 26 calls: past eval's default 6
         output_dir=str(tmp_path / "eval")))
     assert len(records) == 8 and 0 < summary.wins < 8, summary  # half slip: the group has a gradient

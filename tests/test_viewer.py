@@ -32,7 +32,8 @@ def browser():
 
     options = Options()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1800"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1400,1800"):
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(DRIVER))
     yield driver
@@ -60,7 +61,8 @@ def _wait(driver, script: str, timeout: float = 60.0):
         value = driver.execute_script(script)
         if value:
             return value
-        error = driver.execute_script("const e = document.getElementById('error'); return e.hidden ? '' : e.textContent")
+        error = driver.execute_script(
+            "const e = document.getElementById('error'); return e.hidden ? '' : e.textContent")
         assert not error, error
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for: {script}")
@@ -107,7 +109,8 @@ def test_the_viewer_shows_the_smoke_run_in_a_real_browser(smoke_run, served, bro
     assert all("trace" not in r["outcome"] and r["calls"] for r in records)
     assert all(r["turns"] == len(traces[r["episode_id"]]["turns"]) for r in records if r["episode_id"] in traces)
     browser.get(served)
-    _wait(browser, f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
+    _wait(browser,
+          f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
     assert sorted(_visible_tasks(browser)) == sorted(r["task"] for r in records)
     assert _wait(browser, "return document.querySelectorAll('#charts .chart').length") >= 3  # reward, groups, sync...
 
@@ -118,7 +121,8 @@ def test_the_viewer_shows_the_smoke_run_in_a_real_browser(smoke_run, served, bro
     _wait(browser, f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === "
                    f"{sum(r['task'] == task for r in records)}")
     assert set(_visible_tasks(browser)) == {task}
-    browser.execute_script("const s = document.getElementById('filter-task'); s.value = ''; s.dispatchEvent(new Event('change'))")
+    browser.execute_script(
+        "const s = document.getElementById('filter-task'); s.value = ''; s.dispatchEvent(new Event('change'))")
     other = next(r["task"] for r in records if r["task"] != task)
     search = browser.find_element("css selector", "#rollouts input[type=search]")
     search.send_keys(other)
@@ -126,7 +130,8 @@ def test_the_viewer_shows_the_smoke_run_in_a_real_browser(smoke_run, served, bro
                    f".every(tr => tr.children[1].textContent === {json.dumps(other)})")
     search.clear()
     search.send_keys("x", Keys.BACKSPACE)  # clear() fires no input event; this does, with an empty search
-    _wait(browser, f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
+    _wait(browser,
+          f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
 
     # open a rollout with turns by clicking its row
     i = next(k for k, r in enumerate(records) if r["episode_id"] in traces)
@@ -146,13 +151,15 @@ def test_the_viewer_shows_the_smoke_run_in_a_real_browser(smoke_run, served, bro
 
 def test_the_static_export_opens_from_disk(smoke_run, browser, tmp_path):
     out = tmp_path / "html"
-    result = subprocess.run(HARNESS_TRAIN + ["view", str(smoke_run), "--html", str(out)], capture_output=True, text=True,
+    result = subprocess.run(HARNESS_TRAIN + ["view", str(smoke_run), "--html", str(out)], capture_output=True,
+                            text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     records, traces = _records(smoke_run), _traces(smoke_run)
     i = next(k for k, r in enumerate(records) if r["episode_id"] in traces)
     browser.get((out / "index.html").as_uri() + f"#r0/{i}")  # file://: no server, data from <script> files
-    _wait(browser, f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
+    _wait(browser,
+          f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
     _check_turns(browser, traces[records[i]["episode_id"]])
 
 
@@ -161,7 +168,8 @@ def test_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path):
     result = subprocess.run(HARNESS_TRAIN + ["view", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "is not a run folder" in result.stderr and "--output-dir" in result.stderr
-    result = subprocess.run(HARNESS_TRAIN + ["view", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(HARNESS_TRAIN + ["view", str(tmp_path / "missing")], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 1 and "does not exist" in result.stderr
     with pytest.raises(ViewerError, match="is a file"):
         find_runs(tmp_path / "notes.txt")
@@ -192,5 +200,6 @@ def test_the_index_follows_a_growing_run_and_reads_older_records(smoke_run, tmp_
         f.write(line[100:] + json.dumps(records[1]) + "\n")
     folder.refresh()
     assert [r["episode_id"] for r in folder.rows] == [records[0]["episode_id"], records[1]["episode_id"]]
-    assert folder.rows[0]["turns"] == records[0]["turns"] and folder.rows[0]["trained_tokens"] == records[0]["trained_tokens"]
+    assert folder.rows[0]["turns"] == records[0]["turns"]
+    assert folder.rows[0]["trained_tokens"] == records[0]["trained_tokens"]
     assert [t["j"] for t in folder.rollout(0)["turns"]] == list(range(records[0]["turns"]))

@@ -64,7 +64,8 @@ class Codex:
         # NETWORK_TRIES such messages, which still rides out a proxy restart of a few seconds.
         command = ("mkdir -p /logs/agent /home/.codex && "
                    "printf '%s' \"$HARNESS_CODEX_CONFIG\" > /home/.codex/config.toml && "
-                   f"{{ {shlex.quote(str(codex_binary()))} exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox "
+                   f"{{ {shlex.quote(str(codex_binary()))} exec --skip-git-repo-check "
+                   "--dangerously-bypass-approvals-and-sandbox "
                    f"--json \"$HARNESS_TASK\" </dev/null >{events} & agent=$!; "
                    f"( while sleep 1; do [ \"$(grep -c '{NETWORK_WAIT}' {events})\" -ge {NETWORK_TRIES} ] && "
                    "kill $agent && exit; done ) & watcher=$!; "

@@ -272,7 +272,8 @@ class DockerSandbox(TrialDirs):
             ["sh", "-c", f"{forward}; docker rm -f {self.name} >/dev/null 2>&1; rm -rf {self.bridge.folder}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if self.forwarder.stdout.readline().strip() != "listening":
-            raise SandboxError(f"the proxy forwarder did not start in {self.name}: {self.forwarder.stderr.read()[-300:]}")
+            raise SandboxError(f"the proxy forwarder did not start in {self.name}: "
+                               f"{self.forwarder.stderr.read()[-300:]}")
 
     def _healthy(self, check: dict) -> None:
         """Harbor's healthcheck: the command must pass before the agent starts (retries, interval, timeout)."""

@@ -104,7 +104,8 @@ class OpenCode:
         try:
             self.overrides = json.loads(path.read_text()) if path else {}
         except ValueError as error:
-            raise HarnessError(f"--agent-config {config}: not valid JSON ({error}); give an opencode.json file")
+            raise HarnessError(f"--agent-config {config}: not valid JSON ({error}); give an opencode.json file") \
+                from None
         if not isinstance(self.overrides, dict):
             raise HarnessError(f"--agent-config {config}: an opencode.json holds one JSON object")
 
@@ -115,7 +116,8 @@ class OpenCode:
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         # The sandbox is the boundary: opencode's own prompts for files outside its project folder (a task's /srv,
         # /solution, /tmp) would be refused in a non-interactive run, a tool failure that looks like the model's.
-        config = {"permission": {"edit": "allow", "bash": "allow", "webfetch": "allow", "external_directory": "allow"}} \
+        config = {"permission": {"edit": "allow", "bash": "allow", "webfetch": "allow",
+                                 "external_directory": "allow"}} \
             | self.overrides | {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
                   "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
                   "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
@@ -129,7 +131,8 @@ class OpenCode:
                "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1"}
         command = ("mkdir -p /logs/agent /home/.config/opencode && "
                    "printf '%s' \"$HARNESS_OPENCODE_CONFIG\" > /home/.config/opencode/opencode.json && "
-                   f"{shlex.quote(str(OPENCODE))} run --format json \"$HARNESS_TASK\" </dev/null >/logs/agent/events.jsonl")
+                   f"{shlex.quote(str(OPENCODE))} run --format json \"$HARNESS_TASK\" "
+                   "</dev/null >/logs/agent/events.jsonl")
         return command, env
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:

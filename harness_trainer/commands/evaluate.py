@@ -99,7 +99,8 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         from harness_trainer.rollouts.rewards import resolve_reward_funcs
 
         cfg.check()  # a config changed after it was made: the white-box rules (EvalConfig.check)
-        environment, reward_funcs = load_object(cfg.environment, "--environment"), resolve_reward_funcs(cfg.reward_funcs)
+        environment = load_object(cfg.environment, "--environment")
+        reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
         tasks = load_rows(cfg.dataset)[: cfg.limit]
     else:
         tasks = load_dataset(cfg.dataset, cfg.skip_invalid_tasks)[: cfg.limit]

@@ -154,7 +154,8 @@ def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: fl
     t = time.monotonic()
     demos, _ = evaluate(EvalConfig(vllm_url=engine_url, policy="oracle", oracle_mistake_rate=recipe.solver_slip_rate,
                                    num_generations=recipe.solver_attempts,
-                                   output_dir=str(out / "solver"), **eval_settings(recipe) | {"dataset": "builtin:toy-train"}))
+                                   output_dir=str(out / "solver"),
+                                   **eval_settings(recipe) | {"dataset": "builtin:toy-train"}))
     print(f"  solver: {demos.wins}/{demos.rollouts} right", flush=True)
     timings["b_solver_s"] = time.monotonic() - t
 
@@ -163,7 +164,8 @@ def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: fl
     sft = run_sft(SFTRunConfig(traces=str(out / "solver"), model=str(base), output_dir=str(out / "sft"),
                                num_train_epochs=sft_epochs,
                                learning_rate=recipe.sft_learning_rate * (LORA_LR_FACTOR if lora_rank else 1),
-                               per_device_train_batch_size=recipe.sft_batch_size, lr_scheduler_type="constant_with_warmup",
+                               per_device_train_batch_size=recipe.sft_batch_size,
+                               lr_scheduler_type="constant_with_warmup",
                                use_peft=bool(lora_rank), lora_rank=lora_rank or 16, packing=recipe.sft_packing))
     timings["c_sft_s"] = time.monotonic() - t
     return Path(sft), rows, timings

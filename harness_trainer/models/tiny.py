@@ -189,10 +189,11 @@ def build(spec: TinyModelSpec, out: Path) -> Path:
     return out
 
 
-def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), out: Path | None = None) -> Path:
+def ensure_tiny_model(spec: TinyModelSpec | None = None, out: Path | None = None) -> Path:
     """Return a directory holding the model for `spec`, building it once into the cache.
 
     With `out`, the cached build is copied there (an existing build of the same spec is reused)."""
+    spec = spec or TinyModelSpec()
     cached = cache_root() / "models" / spec.folder_name()
     if not (cached / "harness_model.json").exists():
         cached.parent.mkdir(parents=True, exist_ok=True)

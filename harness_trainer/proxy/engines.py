@@ -142,7 +142,8 @@ async def prefix_cache(http: httpx.AsyncClient, url: str) -> dict:
         text = (await http.get(f"{url}/metrics", timeout=5.0)).text
     except httpx.HTTPError:
         text = ""
-    hits, queries = prometheus_total(text, "vllm:prefix_cache_hits"), prometheus_total(text, "vllm:prefix_cache_queries")
+    hits = prometheus_total(text, "vllm:prefix_cache_hits")
+    queries = prometheus_total(text, "vllm:prefix_cache_queries")
     return {"prefix_cache_hits": hits, "prefix_cache_queries": queries,
             "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None}
 

@@ -18,6 +18,45 @@ def _tool_choice(choice):
     raise ValueError(f"tool_choice {choice!r} is not supported")
 
 
+def input_messages(items: list) -> list[dict]:
+    """The Responses API's input items as chat messages: a reasoning item opens the assistant turn that follows
+    it; consecutive function calls are one assistant turn."""
+    messages: list[dict] = []
+    thought = ""  # a reasoning item's text, for the assistant turn it opens
+    for item in items:
+        if not isinstance(item, dict):
+            raise ValueError("each input item must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"input message role {item.get('role')!r} is not supported")
+            messages.append({"role": role, "content": message_text(item.get("content"))})
+            if role == "assistant" and thought:
+                messages[-1]["reasoning_content"], thought = thought, ""
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant" and not thought:  # consecutive calls: one assistant turn
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call],
+                                 **({"reasoning_content": thought} if thought else {})})
+                thought = ""
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else message_text(output)})
+        elif kind == "reasoning":  # kept for the turn it opens: the template decides whether to render it
+            thought += "".join(part.get("text") or "" for part in item.get("content") or []
+                               if isinstance(part, dict)) or \
+                "".join(part.get("text") or "" for part in item.get("summary") or [] if isinstance(part, dict))
+        else:
+            raise ValueError(f"input item type {kind!r} is not supported")
+    return messages
+
+
 class ResponsesDialect:
     name = "responses"
     paths = ("/v1/responses", "/responses")
@@ -35,38 +74,7 @@ class ResponsesDialect:
         if not isinstance(items, list):
             raise ValueError("'input' must be a string or a list of items")
         messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-        thought = ""  # a reasoning item's text, for the assistant turn it opens
-        for item in items:
-            if not isinstance(item, dict):
-                raise ValueError("each input item must be an object")
-            kind = item.get("type", "message")
-            if kind == "message":
-                role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-                if role not in ("system", "user", "assistant"):
-                    raise ValueError(f"input message role {item.get('role')!r} is not supported")
-                messages.append({"role": role, "content": message_text(item.get("content"))})
-                if role == "assistant" and thought:
-                    messages[-1]["reasoning_content"], thought = thought, ""
-            elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
-                last = messages[-1] if messages else None
-                if last and last["role"] == "assistant" and not thought:  # consecutive calls: one assistant turn
-                    last.setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call],
-                                     **({"reasoning_content": thought} if thought else {})})
-                    thought = ""
-            elif kind == "function_call_output":
-                output = item.get("output")
-                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                                 "content": output if isinstance(output, str) else message_text(output)})
-            elif kind == "reasoning":  # kept for the turn it opens: the template decides whether to render it
-                thought += "".join(part.get("text") or "" for part in item.get("content") or []
-                                   if isinstance(part, dict)) or \
-                    "".join(part.get("text") or "" for part in item.get("summary") or [] if isinstance(part, dict))
-            else:
-                raise ValueError(f"input item type {kind!r} is not supported")
+        messages += input_messages(items)
         chat = {"messages": messages, "stream": bool(body.get("stream"))}
         tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
         if tools:

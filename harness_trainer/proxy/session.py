@@ -69,7 +69,8 @@ class Session:
     def summary(self) -> dict:
         return {"id": self.id, "upstream": self.upstream, "model": self.model, "policy": asdict(self.policy),
                 "max_model_calls": self.max_model_calls, "policy_version": self.policy_version,
-                "sampling_model": self.sampling_model or self.model, "metadata": self.metadata, "created": self.created, "calls": len(self.calls),
+                "sampling_model": self.sampling_model or self.model, "metadata": self.metadata,
+                "created": self.created, "calls": len(self.calls),
                 "stops": list(self.stops)}
 
     def node_id(self, call: Call) -> str:

@@ -56,7 +56,8 @@ BUGS = {
               "s/'Hello ' + name/'Hello, ' + name + '!'/", "greet('Ada') must return 'Hello, Ada!'."),
     "last-item": ("items.py", "def last(items):\n    return items[len(items)]\n",
                   "items.last([1, 2, 3]), items.last(['a'])", "[3, 'a']",
-                  "s/items\\[len(items)\\]/items[-1]/", "last(items) raises IndexError instead of returning the last item."),
+                  "s/items\\[len(items)\\]/items[-1]/",
+                  "last(items) raises IndexError instead of returning the last item."),
 }
 
 # The agent's code runs inside the check, so the check's exit status is the agent's to forge (an atexit hook

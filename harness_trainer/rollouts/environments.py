@@ -91,7 +91,8 @@ def load_rows(source: str | Path | Iterable[Mapping]) -> list[EnvironmentTask]:
                                     "({'role': ..., 'content': ...}) or a string")
         for reserved in ("environments", "outcomes", "completions", "prompts"):
             if reserved in row:
-                raise EnvironmentContractError(f"{where} row {i}: the column '{reserved}' is a reward function argument; "
+                raise EnvironmentContractError(f"{where} row {i}: the column '{reserved}' is a reward function "
+                                               "argument; "
                                         "rename it")
         name = str(row.get("name") or row.get("task") or f"row-{i}")
         if name in names:
@@ -111,7 +112,8 @@ def load_object(spec: str, what: str) -> object:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise EnvironmentContractError(f"{what} {spec}: cannot import {attr} from {module_name} ({exc}); the module must "
+        raise EnvironmentContractError(f"{what} {spec}: cannot import {attr} from {module_name} ({exc}); the "
+                                       "module must "
                                 "be importable (on PYTHONPATH) and define it") from None
 
 
@@ -139,7 +141,8 @@ def tool_schemas(tools: dict[str, Callable]) -> list[dict]:
                                                                                       "parameters") if k in function}})
         except Exception as exc:  # DocstringParsingException, TypeHintParsingException
             owner = type(method.__self__).__name__
-            raise EnvironmentContractError(f"tool {owner}.{name}: its schema cannot be built ({exc}). Give every argument "
+            raise EnvironmentContractError(f"tool {owner}.{name}: its schema cannot be built ({exc}). Give every "
+                                           "argument "
                                     "a type hint and a line under 'Args:' in the docstring, whose first line "
                                     "describes the tool") from None
     return schemas
@@ -309,7 +312,8 @@ class EnvironmentSessionFactory:
         check_environment(environment_factory)
         self.sampling = sampling_policy(sampling)
         self.proxy, self.environment_factory = proxy, environment_factory
-        self.max_tool_calling_iterations, self.max_completion_length = max_tool_calling_iterations, max_completion_length
+        self.max_tool_calling_iterations = max_tool_calling_iterations
+        self.max_completion_length = max_completion_length
         self.max_tokens = max_tokens or (self.sampling.max_tokens_cap if sampling else None) or max_completion_length
         self.agent_timeout_s = agent_timeout_s
         self.output_dir = Path(output_dir) if output_dir else None

@@ -158,7 +158,8 @@ def score_group(records: list, reward_funcs: list[GroupRewardFn], rollout_reward
     n, columns = len(live), {k: v for k, v in (row or {}).items()}
     kwargs = {"environments": [r.environment for r in live], "outcomes": [r.outcome for r in live],
               "completions": [r.outcome.completion for r in live],
-              "completion_ids": [[i for t in (r.training_trace or {}).get("turns", []) for i in t["completion_token_ids"]]
+              "completion_ids": [[i for t in (r.training_trace or {}).get("turns", [])
+                                  for i in t["completion_token_ids"]]
                                  for r in live],
               **{key: [value] * n for key, value in columns.items() if key not in ("completion", "completion_ids")}}
     if "prompt" in columns:

@@ -121,5 +121,6 @@ def environment_sessions(environment_factory, args) -> tuple[Callable, ProxyServ
     out = Path(args.output_dir)
     engine = VLLMServer.attach(args.vllm_server_base_url)
     proxy = ProxyServer(engine.url, model=engine.model_name, journal=out / "journal", log_path=out / "proxy.log")
-    return environment_session_factory(proxy.client, environment_factory, max_completion_length=args.max_completion_length,
+    return environment_session_factory(proxy.client, environment_factory,
+                                       max_completion_length=args.max_completion_length,
                                        max_tool_calling_iterations=args.max_tool_calling_iterations), proxy

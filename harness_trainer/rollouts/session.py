@@ -277,7 +277,8 @@ class LocalSessionFactory:
     Called by the trainer with its sampling policy (a SamplingPolicy, or OpenEnv's dict of it), so pass it as
     `partial(LocalSessionFactory, proxy=..., harness=...)`."""
 
-    def __init__(self, sampling: SamplingPolicy | dict | None = None, *, proxy: ProxyClient, harness: str | Harness = "mini-swe-agent",
+    def __init__(self, sampling: SamplingPolicy | dict | None = None, *, proxy: ProxyClient,
+                 harness: str | Harness = "mini-swe-agent",
                  sandbox: str = "local", output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
                  agent_timeout_s: float | None = None, max_model_calls: int | None = None,
                  reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None,
@@ -386,7 +387,8 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
             verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
             verifier_rewards=dict(verified.metrics.get("verifier_rewards") or {}),
-            calls=calls, truncated=truncated, policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
+            calls=calls, truncated=truncated,
+            policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
             environment=session.environment)
     finally:
         session.close()

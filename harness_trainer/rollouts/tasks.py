@@ -112,7 +112,7 @@ def resolve_env(table, where: str, problems: list[str]) -> dict[str, str]:
             problems.append(f"{where}: env.{key} must be a string")
             continue
 
-        def substitute(match: re.Match) -> str:
+        def substitute(match: re.Match, key=key) -> str:
             name, default = match.group(1), match.group(2)
             if name in os.environ:
                 return os.environ[name]
@@ -296,7 +296,8 @@ def load_dataset(spec: str, skip_invalid: bool = False) -> list[Task]:
                                        local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
         except LocalEntryNotFoundError:
             raise TaskError(f"dataset {repo} is not in the local Hugging Face cache and the Hub is offline "
-                            "(HF_HUB_OFFLINE=1): download it where the Hub is reachable, or pass a local folder") from None
+                            "(HF_HUB_OFFLINE=1): download it where the Hub is reachable, or pass a local "
+                            "folder") from None
         except Exception as exc:
             raise TaskError(f"could not fetch Hugging Face dataset {repo}: {exc}. Check the name and the network, "
                             "or pass a local folder of Harbor tasks") from None

@@ -106,7 +106,8 @@ def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> Verifier
     except (SandboxError, OSError) as exc:  # e.g. a container killed for its memory under the agent
         return VerifierResult(None, f"the verifier could not be set up: {exc}")
     env = {**task.environment.env, **task.verifier_env}
-    result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1", task.verifier_timeout_s,
+    result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1",
+                          task.verifier_timeout_s,
                           env=env)
     with TemporaryDirectory() as tmp:
         output = (_fetch(sandbox, TEST_STDOUT, Path(tmp)) or "")[-8000:]

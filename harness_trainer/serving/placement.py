@@ -66,7 +66,8 @@ class Placement:
             return f"CPU: {len(self.engines)} engine(s) and the trainer on the CPU; weights by reload"
         if self.attached:
             return f"an engine started elsewhere; trainer on GPU {_ids(self.trainer)}; weights by nccl"
-        engines = "; ".join(f"engine {i} on GPU {_ids(e)} (tensor parallel {len(e)})" for i, e in enumerate(self.engines))
+        engines = "; ".join(f"engine {i} on GPU {_ids(e)} (tensor parallel {len(e)})"
+                            for i, e in enumerate(self.engines))
         if not self.trainer:
             return engines + "; no trainer"
         share = f", engine held to {self.memory_share:.0%} of its memory" if self.colocated else ""

@@ -6,7 +6,8 @@
   wait_for (the trainer) before a step is trained, each service must answer; one that does not is waited for
                          (it may be restarting) up to a bound, then the run stops with a clear error.
 
-What a restart loses is put back by the trainer (training/policy_sync.py `ensure_services`): a restarted engine serves the
+What a restart loses is put back by the trainer (training/policy_sync.py `ensure_services`): a restarted engine serves
+the
 weights it was launched with, so the trainer's are synced again and every rollout that may have sampled the
 launched weights is discarded; a restarted proxy stamps version 0 until told the trainer's.
 """

@@ -1,6 +1,7 @@
 """What a run leaves on disk: servable models, resumable checkpoints, and best/.
 
-    checkpoint-N/   model + tokenizer (vLLM serves it; with LoRA: the adapter alone), trainer_state.pt (optimizer, RNGs),
+    checkpoint-N/   model + tokenizer (vLLM serves it; with LoRA: the adapter alone), trainer_state.pt (optimizer,
+    RNGs),
                     trainer_state.json (step, policy version, dataset cursor, best/'s bookkeeping)
     best/           with save_best: the model after the step with the best training reward, averaged over
                     the last `window` steps with a reward (one group's mean is too noisy to rank by); written

@@ -208,9 +208,18 @@ class AsyncGRPOConfig:
     def check(self) -> None:
         """Every check of these settings, here, so the Python API and the CLI refuse the same values with the
         same words (a ConfigError naming the flag, whose field is its name in snake case)."""
+        self._check_values()
+        self._check_together()
+        if hasattr(super(), "check"):  # a run's config: the rollout settings' rules too
+            super().check()
+
+    def _check_values(self) -> None:
+        """Each setting on its own."""
         for name in POSITIVE:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        for name, allowed in CHOICES.items():
+            choose(name, getattr(self, name), allowed)
         if self.distributed not in ("ddp", "fsdp"):
             raise ConfigError(f"--distributed {self.distributed}: choose ddp or fsdp")
         if self.step_clip_mode not in ("probability", "ratio"):
@@ -219,20 +228,21 @@ class AsyncGRPOConfig:
             raise ConfigError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
             raise ConfigError(f"--lr-scheduler-type {self.lr_scheduler_type}: choose one of {', '.join(LR_SCHEDULES)}")
-        if self.lr_scheduler_type == "constant" and self.warmup_ratio:
-            raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
-                              "constant_with_warmup (or linear, cosine)")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
+        if not 0 <= self.distillation_weight <= 1:
+            raise ConfigError(f"--distillation-weight must be in [0, 1], got {self.distillation_weight!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: choose {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
                               f"got {self.max_tokens_per_microbatch!r}")
-        for name, allowed in CHOICES.items():
-            choose(name, getattr(self, name), allowed)
-        if not 0 <= self.top_entropy_quantile <= 1:
-            raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
-        if not 0 <= self.distillation_weight <= 1:
-            raise ConfigError(f"--distillation-weight must be in [0, 1], got {self.distillation_weight!r}")
+
+    def _check_together(self) -> None:
+        """Settings that only make sense beside others."""
+        if self.lr_scheduler_type == "constant" and self.warmup_ratio:
+            raise ConfigError("--warmup-ratio needs a schedule with a warm-up: add --lr-scheduler-type "
+                              "constant_with_warmup (or linear, cosine)")
         if self.dynamic_sampling and self.teacher_url and self.distillation_weight == 1:
             raise ConfigError("--dynamic-sampling drops groups whose rewards are equal, but with --distillation-weight "
                               "1 rewards are not trained on: every group has the teacher's signal")
@@ -244,8 +254,6 @@ class AsyncGRPOConfig:
         if self.use_peft and lora_rank_served(self.lora_rank) is None:
             raise ConfigError(f"--lora-rank {self.lora_rank} is larger than the largest rank vLLM serves "
                               f"({VLLM_LORA_RANKS[-1]}): choose {VLLM_LORA_RANKS[-1]} or less")
-        if hasattr(super(), "check"):  # a run's config: the rollout settings' rules too
-            super().check()
 
 
 def choose(name: str, value, allowed) -> None:

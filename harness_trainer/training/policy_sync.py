@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -106,8 +107,8 @@ class PolicySync:
         if self.policy.peft is not None and proxy is not None:  # adapters no rollout may still sample from
             in_flight = proxy.policy_state()["in_flight"]
             for engine_url, _ in synced:
-                self._sync_step(lambda: self.weight_syncs[engine_url].unload_idle(
-                    self.version - self.args.max_staleness, in_flight))
+                self._sync_step(partial(self.weight_syncs[engine_url].unload_idle,
+                                        self.version - self.args.max_staleness, in_flight))
         return time.perf_counter() - started
 
     def _engine_urls(self, url: str, lost_too: bool = False) -> list[str]:
@@ -188,7 +189,7 @@ class PolicySync:
                 for engine in engines:
                     if not self._engine_serves_policy(engine):
                         weights = self.policy.full_weights()
-                        self._sync_step(lambda: self._load_weights(engine, self.version, weights))
+                        self._sync_step(partial(self._load_weights, engine, self.version, weights))
                         self._probe(engine, self.served_name)
                         put_back.append(f"the engine at {engine} restarted without the policy: version "
                                         f"{self.version} synced again")
@@ -222,7 +223,8 @@ class PolicySync:
         if gap > tolerance:
             tied = getattr(self.policy.model.config, "tie_word_embeddings", False) and self.policy.peft is None
             hint = (" This model ties lm_head to its embedding: the engine must serve it untied (`harness-train "
-                    "serve` and a launched engine do; a plain `vllm serve` does not), or use --use-peft") if tied else ""
+                    "serve` and a launched engine do; a plain `vllm serve` does not), or use --use-peft") \
+                if tied else ""
             raise TrainingStopped(f"after syncing version {self.version}, vLLM's logprobs differ from the trainer's "
                                   f"by {gap:.2e} (> {tolerance}): the engine did not take the weights.{hint}")
         self.last_probe_gap = gap

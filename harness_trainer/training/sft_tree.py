@@ -49,7 +49,7 @@ def train_on_tree(model, chains: list[Chain], epochs: float, learning_rate: floa
         tree = pack(batch)
         n = int(tree.trained.sum())
         optimizer.zero_grad()
-        logp, _ = tree_backward(model, tree, lambda lp, index: -lp.sum() / n, 1.0, max_tokens_per_microbatch)
+        logp, _ = tree_backward(model, tree, lambda lp, index, n=n: -lp.sum() / n, 1.0, max_tokens_per_microbatch)
         torch.nn.utils.clip_grad_norm_(params, 1.0)  # TRL's (transformers') max_grad_norm
         optimizer.step()
         scheduler.step()

@@ -35,7 +35,8 @@ def _steps(out) -> int:
 
 def test_harness_train_survives_its_proxy_and_engine_killed(tmp_path):
     out, engine_port, proxy_port = tmp_path / "run", free_port(), free_port()
-    run = subprocess.Popen([sys.executable, "-m", "harness_trainer.commands.cli", "--harness", "mini-swe-agent", "--dataset",
+    run = subprocess.Popen([sys.executable, "-m", "harness_trainer.commands.cli", "--harness", "mini-swe-agent",
+                            "--dataset",
                             "builtin:toy-train", "--max-steps", "3", "--num-generations", "2",
                             "--max-concurrent-rollouts", "2", "--agent-step-limit", "2", "--max-completion-tokens",
                             "48", "--output-dir", str(out), "--engine-port", str(engine_port), "--proxy-port",

@@ -38,7 +38,8 @@ def test_no_session_can_reach_another_and_guessed_or_deleted_keys_get_nothing(pr
     before = {s["id"]: proxy.client.rollout(s["id"]) for s in sessions}
     version = proxy.client.policy_state()["policy_version"]
     attempts = refused = 0
-    client = httpx.Client(timeout=30)  # one kept-alive connection, as an agent's client holds: the keys still differ per request
+    # one kept-alive connection, as an agent's client holds: the keys still differ per request
+    client = httpx.Client(timeout=30)
 
     def attempt(method: str, path: str, key: str | None, header: str = "authorization", **kw) -> None:
         nonlocal attempts, refused
