@@ -6,7 +6,7 @@ timing would decide; each says so where it is used.
   Link          a TCP hop in front of a real server, which the test can cut, stall, or pause mid-stream
   wait_until    wait on a condition the test controls (never on the machine's speed: bounds are generous)
   ScriptedSessions, StubPolicy, StubSync   the trainer's collaborators (a session factory, the policy, the
-                engine sync) with no agent, model or engine: the loop's own tests (tests/test_loop.py)
+                engine sync) with no agent, model or engine: the loop's own tests (tests/training/test_loop.py)
 """
 
 from __future__ import annotations

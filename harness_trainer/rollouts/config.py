@@ -47,7 +47,8 @@ class RolloutConfig:
                                  "ones)")
     proxy_port: int = option(0, "port for the capture proxy (0: a free one)")
     sandbox: str = option("auto", "auto (a task with an image in a container, any other in bubblewrap), local "
-                                   "(bubblewrap: tasks that need an image are refused), docker, e2b or harbor[:ENV]")
+                                   "(bubblewrap: tasks that need an image are refused), docker, e2b, harbor[:ENV], "
+                                   "or module:Class (a Sandbox of your own, made from a Trial)")
     public_url: str | None = option(None, "URL at which remote sandboxes (e2b) reach the proxy; the proxy then "
                                           "listens on all interfaces")
     agent_step_limit: int = option(6, "agent steps per rollout")

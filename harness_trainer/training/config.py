@@ -16,7 +16,7 @@ from harness_trainer.rollouts.config import option
 from harness_trainer.serving.sync_steps import VLLM_LORA_RANKS, lora_rank_served
 
 # transformers.SchedulerType's values, written out: importing it imports torch and peft (5-10 s), and a job
-# launcher checks a run's flags before it submits (tests/test_train_cli.py keeps the two lists equal)
+# launcher checks a run's flags before it submits (tests/commands/test_train_command.py keeps the two lists equal)
 LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                 "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
                 "warmup_stable_decay", "greedy")

@@ -30,7 +30,7 @@ update per batch: the current policy, detached); p_t: the current logprob; A_t: 
     aggregate  grpo, sapo: mean over sequences of each one's token mean; dr_grpo: sum / (S * max_completion_length);
                dapo, bnpo, cispo: sum / trained tokens; luspo: sum / S   (S: the step's sequences)
 Our step is TRL's with the whole step in one batch (one process, no accumulation), so dapo and bnpo coincide.
-tests/test_trl_parity.py runs TRL 1.16's own code on the same tensors: loss and gradient equal to 1e-6.
+tests/training/test_trl_parity.py runs TRL 1.16's own code on the same tensors: loss and gradient equal to 1e-6.
 """
 
 from __future__ import annotations

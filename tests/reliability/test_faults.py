@@ -2,7 +2,7 @@
 an agent program that retries its API as real ones do). For each: the run ends in bounded time (done, or
 stopped with a clear error), no finished turn is lost, every trace is valid, every step is logged once.
 
-The trainer killed -9 mid-run and resumed is tests/test_trainer.py::test_kill_and_resume_trains_every_step_exactly_once.
+The trainer killed -9 mid-run and resumed is tests/training/test_trainer_end_to_end.py::test_kill_and_resume_trains_every_step_exactly_once.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from faults import AGENT_HARNESS
+from say_agent import say_task  # reward 1 when the agent's answer starts with a digit
 from stubs import Link, wait_until
-from test_trainer import say_task  # reward 1 when the agent's answer starts with a digit
 
 from harness_trainer._exceptions import TrainingStopped
 from harness_trainer.proxy.client import ProxyClient, ProxyServer

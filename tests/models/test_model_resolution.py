@@ -1,6 +1,6 @@
 """A user's model: Hub ids resolved against a local stand-in of the Hub (found, pinned, missing, gated, offline,
 unreachable), the tool-call and reasoning formats read from chat templates of each family, the tiny
-architectures, and a tied model's untied serving copy. No engine: tests/test_models_engine.py runs them."""
+architectures, and a tied model's untied serving copy. No engine: tests/models/test_models_served.py runs them."""
 
 from __future__ import annotations
 

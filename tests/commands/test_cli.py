@@ -96,7 +96,7 @@ def test_the_loss_settings_old_names_become_trls_with_one_line_each(tmp_path, ca
                      ("loss_mode", "ppo (the ratio to the sampler itself) has the same gradient")):
         assert f"{old} is deprecated and will be removed: {new}" in err
     assert "--kl-beta" not in build_parser().format_help() and "kl-beta" not in (
-        Path(__file__).parents[1] / "docs" / "cli.md").read_text()  # hidden from help and the reference
+        Path(__file__).parents[2] / "docs" / "cli.md").read_text()  # hidden from help and the reference
 
 
 def test_an_old_key_in_a_config_file_still_works(tmp_path, capsys):

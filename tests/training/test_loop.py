@@ -2,7 +2,7 @@
 scripted session factory (no agent, no proxy), a policy with no model, an engine sync with no engine. What is
 real here is the loop itself and the rollout pool it drives: groups, staleness, cancellation, syncs, the
 checkpoint and the metrics line of each step, resume, and the stops. No clock: a rollout "still running" is held
-on an event the test owns. The real parts end to end: tests/test_trainer.py."""
+on an event the test owns. The real parts end to end: tests/training/test_trainer_end_to_end.py."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ RUN = textwrap.dedent("""
 def _run(script: Path, ranks: int, *args: str) -> None:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)] if ranks > 1 else \
         [sys.executable]
-    done = subprocess.run([*launcher, str(script), *args], timeout=300, cwd=Path(__file__).parents[1],
+    done = subprocess.run([*launcher, str(script), *args], timeout=300, cwd=Path(__file__).parents[2],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -131,7 +131,7 @@ def test_one_set_of_services_under_a_launcher(fresh_engine, tiny_model_dir, tmp_
 
     from harness_trainer.serving.process import free_port
 
-    examples = Path(__file__).parents[1] / "harness_trainer" / "examples"
+    examples = Path(__file__).parents[2] / "harness_trainer" / "examples"
     prefix = "harness_trainer.examples.multi_env:"
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
@@ -141,7 +141,7 @@ def test_one_set_of_services_under_a_launcher(fresh_engine, tiny_model_dir, tmp_
                "--model", str(tiny_model_dir), "--distributed", "fsdp", "--proxy-port", str(free_port()),
                "--max-steps", "2", "--num-generations", "2", "--max-concurrent-rollouts", "2", "--save-steps", "2",
                "--max-completion-tokens", "16", "--report-to", "none", "--output-dir", str(out)]
-    done = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["version"] == 3  # one writer: rank 0

@@ -6,55 +6,22 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from functools import partial
-from pathlib import Path
 
 import pytest
+from say_agent import NEVER_ENDING_WHEN_SLOW, SAY, SAY_HARNESS, say_task
 from stubs import wait_until
 
 from harness_trainer._exceptions import CaptureContractError
-from harness_trainer.agents.harnesses import CommandHarness
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset, load_task
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
-
-SAY = textwrap.dedent("""
-    import json, os, sys, urllib.request
-    if "fail" in sys.argv[1]:
-        sys.exit(127)  # an agent that cannot start
-    body = {"model": os.environ["OPENAI_MODEL"], "max_tokens": 4,
-            "messages": [{"role": "user", "content": sys.argv[1]}]}
-    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps(body).encode(),
-                                 {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
-                                  "Content-Type": "application/json"})
-    answer = json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"] or ""
-    open("/app/answer.txt", "w").write(answer)
-""")
-SAY_HARNESS = CommandHarness(f"python3 -c {shlex.quote(SAY)} {{instruction}}")
-# An agent that, told to be slow, never ends by itself (its task's timeout is an hour): a test whose run ends
-# proves it was stopped, whatever the machine's speed (a 120 s sleep under a 60 s timeout raced the step).
-NEVER_ENDING_WHEN_SLOW = CommandHarness(f"case {{instruction}} in *slow*) sleep 3600;; esac; "
-                                        f"python3 -c {shlex.quote(SAY)} {{instruction}}")
-
-
-def say_task(root: Path, name: str = "say", instruction: str = "Say something.", agent_timeout_s: int = 60) -> Path:
-    """A task whose reward depends only on what the model says: 1 when its answer starts with a digit."""
-    task = root / name
-    (task / "tests").mkdir(parents=True, exist_ok=True)
-    (task / "instruction.md").write_text(instruction + "\n")
-    (task / "task.toml").write_text(f"[agent]\ntimeout_sec = {agent_timeout_s}\n[verifier]\ntimeout_sec = 30\n")
-    (task / "tests" / "test.sh").write_text(
-        "#!/bin/bash\nmkdir -p /logs/verifier\n"
-        "python3 -c \"t = open('/app/answer.txt').read(); print(1.0 if t[:1].isdigit() else 0.0)\" "
-        "> /logs/verifier/reward.txt\n")
-    return task
 
 
 def config(tmp_path, engine, **overrides) -> AsyncGRPOConfig:

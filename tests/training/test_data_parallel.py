@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import SAY, say_task  # the few-line agent program and its task
+from say_agent import SAY, say_task  # the few-line agent program and its task
 
 STEP = textwrap.dedent("""
     import sys, torch
@@ -56,7 +56,7 @@ def test_two_cpu_processes_take_the_single_process_step(tiny_model_dir, tmp_path
     (tmp_path / "two").mkdir()
     subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(tmp_path / "one")], check=True, timeout=300)
     subprocess.run(_accelerate(str(script), str(tiny_model_dir), str(tmp_path / "two")), check=True, timeout=300,
-                   cwd=Path(__file__).parents[1])
+                   cwd=Path(__file__).parents[2])
     one, two = torch.load(tmp_path / "one" / "result.pt"), torch.load(tmp_path / "two" / "result.pt")
     assert one["metrics"]["trained_tokens"] == two["metrics"]["trained_tokens"] == 10
     assert one["metrics"]["loss"] == pytest.approx(two["metrics"]["loss"], abs=1e-6)
@@ -106,7 +106,7 @@ def test_async_run_with_two_ranks(engine, proxy, tiny_model_dir, tmp_path):
     try:
         subprocess.run(_accelerate(str(script), engine.url, proxy.url, proxy.admin_key, str(tiny_model_dir),
                                    str(task), str(tmp_path), SAY), check=True, timeout=400,
-                       cwd=Path(__file__).parents[1])
+                       cwd=Path(__file__).parents[2])
     finally:
         reload_weights(engine, tiny_model_dir, version=0)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -334,7 +334,7 @@ def test_a_teacher_of_another_tokenizer_is_refused(tiny_model_dir):
 
 def test_cli_trains_and_evaluates_an_environment(fresh_engine, tmp_path, capsys):
     """train, view and eval of a white-box environment, driven through the CLI's main in this process (the console
-    script itself is exercised in tests/test_cli.py and test_train_cli.py)."""
+    script itself is exercised in tests/commands/test_cli.py and test_train_cli.py)."""
     from harness_trainer.commands.cli import main
 
     prefix = "harness_trainer.examples.multi_env:"

@@ -174,7 +174,7 @@ def test_the_device_check_plans_what_it_runs():
     import sys
     from pathlib import Path
 
-    done = subprocess.run([sys.executable, "bench/device_check.py", "--plan"], cwd=Path(__file__).parents[1],
+    done = subprocess.run([sys.executable, "bench/device_check.py", "--plan"], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120, check=True)
     assert [line.split()[0] for line in done.stdout.splitlines()] == ["tree", "grpo-ipc", "grpo-nccl", "lora"]
     assert "--weight-sync-backend ipc" in done.stdout and "--weight-sync-backend nccl" in done.stdout
@@ -189,7 +189,7 @@ def test_the_device_check_dry_run_passes_on_cpu(tmp_path):
     from pathlib import Path
 
     done = subprocess.run([sys.executable, "bench/device_check.py", "--dry-run", "--output-dir", str(tmp_path)],
-                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "check |" not in line]
     assert [r.split("|")[1].strip() for r in rows] == ["tree", "grpo-ipc", "grpo-nccl", "lora"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openenv.core.harness.training import TrainingTrace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MINI = REPO / ".venv-mini" / "bin" / "mini"
 OPENCODE = REPO / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
 
