@@ -48,7 +48,8 @@ def _engine_boot(request, tmp_path_factory):
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    # LoRA on (adapters up to rank 8, tests/serving/test_lora.py): base-model calls and full-weight reloads are unchanged
+    # LoRA on (adapters up to rank 8, tests/serving/test_lora.py): base-model calls and full-weight reloads are
+    # unchanged
     server = VLLMServer(EngineConfig(model=str(ensure_tiny_model()), served_model_name="tiny", max_model_len=32768,
                                      log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=8,
                                      max_loras=4))

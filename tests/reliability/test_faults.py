@@ -2,7 +2,8 @@
 an agent program that retries its API as real ones do). For each: the run ends in bounded time (done, or
 stopped with a clear error), no finished turn is lost, every trace is valid, every step is logged once.
 
-The trainer killed -9 mid-run and resumed is tests/training/test_trainer_end_to_end.py::test_kill_and_resume_trains_every_step_exactly_once.
+The trainer killed -9 mid-run and resumed is
+tests/training/test_trainer_end_to_end.py::test_kill_and_resume_trains_every_step_exactly_once.
 """
 
 from __future__ import annotations

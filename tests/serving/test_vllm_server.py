@@ -167,7 +167,8 @@ def test_broken_model_directory_reports_log_and_leaves_nothing(tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    # the parser named: a folder without a chat template is refused before vLLM starts (tests/models/test_model_resolution.py)
+    # the parser named: a folder without a chat template is refused before vLLM starts
+    # (tests/models/test_model_resolution.py)
     server = VLLMServer(EngineConfig(model=str(broken), tool_call_parser="hermes", log_path=tmp_path / "vllm.log"))
     with pytest.raises(EngineError, match="exited with code") as info:
         server.start()
