@@ -105,9 +105,11 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
     else:
         tasks = load_dataset(cfg.dataset, cfg.skip_invalid_tasks)[: cfg.limit]
     out = Path(cfg.output_dir)
-    if environment is None:  # refused tasks and images, before anything starts or any file is removed
+    if environment is None:  # the agent, refused tasks and images, before anything starts or any file is removed
+        from harness_trainer.agents.harnesses import make_harness
         from harness_trainer.agents.sandboxes import check_task_sandboxes
 
+        make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
         check_task_sandboxes(cfg, tasks, out / "builds")
     out.mkdir(parents=True, exist_ok=True)
     for name in ("rollouts.jsonl", "traces.jsonl"):

@@ -236,6 +236,11 @@ def test_eval_refuses_an_unknown_policy_before_it_touches_its_folder(tmp_path, c
         assert main(["eval", *flags]) == 1 and says in capsys.readouterr().err
     with pytest.raises(PublicConfigError, match="--environment needs --reward-funcs"):
         EvalConfig(environment="harness_trainer.examples.echo:EchoEnv", output_dir=str(out))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    for flags, says in ((["--harness", "nosuch"], "unknown harness 'nosuch'"),
+                        (["--sandbox", "nosuch"], "unknown sandbox 'nosuch'")):  # no engine is started for them
+        assert main(["eval", *flags, "--output-dir", str(out)]) == 1 and says in capsys.readouterr().err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert (out / "rollouts.jsonl").read_text() == "kept\n"
 
 
