@@ -54,6 +54,7 @@ class Link:
       hold(b"/route")  requests whose first line names the route are read and never answered (a stalled call)
       pause_streams()  each response passes up to the end of its first event and no further: the stream is
                        "in the middle" for as long as the test wants; `first_event` is set when one has passed
+      release()        the held rest of each paused response passes, and what follows it
     """
 
     def __init__(self, target_port: int):
@@ -66,7 +67,7 @@ class Link:
         self.first_event = threading.Event()
         self.connections: list[socket.socket] = []
         self.alive = True
-        self._dropped = threading.Event()
+        self._dropped, self._released = threading.Event(), threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -97,8 +98,12 @@ class Link:
                 if not requests and self.paused and (end := _first_event_end(data)) is not None:
                     sink.sendall(data[:end])
                     self.first_event.set()
-                    self._dropped.wait()  # nothing more passes: the test kills the server, then drops
-                    return
+                    dropped, released = self._dropped, self._released
+                    while not (dropped.is_set() or released.wait(0.05)):  # nothing more passes until told
+                        pass
+                    if dropped.is_set():
+                        return
+                    data = data[end:]
                 sink.sendall(data)
         except OSError:
             pass
@@ -115,6 +120,11 @@ class Link:
     def pause_streams(self) -> None:
         self.paused = True
         self.first_event.clear()
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self.paused = False
+        self._released.set()
 
     def drop(self) -> None:
         connections, self.connections = self.connections, []
