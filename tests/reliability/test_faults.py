@@ -89,13 +89,17 @@ def test_an_agent_that_crashes_keeps_its_turn_and_says_so(fresh_engine, proxy, t
 def test_a_sandbox_killed_under_its_agent_ends_the_rollout_at_once(fresh_engine, proxy, tiny_model_dir, tmp_path):
     stop, killed = threading.Event(), []
 
-    def kill_sandboxes():  # every agent sandbox, 3 s after it started (its call is done by then)
-        seen: dict[int, float] = {}
+    def kill_sandboxes():  # every agent sandbox, once its agent has written its answer (its call is captured)
         while not stop.wait(0.2):
             found = subprocess.run(["pgrep", "-f", f"^bwrap .*{tmp_path}.*OPENAI_MODEL"], capture_output=True,
                                    text=True).stdout.split()
             for pid in map(int, found):
-                if time.monotonic() - seen.setdefault(pid, time.monotonic()) > 3 and pid not in killed:
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                except OSError:
+                    continue  # gone meanwhile
+                app = next((a for a, b in zip(argv, argv[1:]) if b == "/app"), None)  # --bind TRIAL/app /app
+                if app and Path(app, "answer.txt").exists() and pid not in killed:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
 
