@@ -129,13 +129,17 @@ class Link:
     def drop(self) -> None:
         connections, self.connections = self.connections, []
         self.paused = False
-        self._dropped.set()
         for s in connections:
-            try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
-                s.close()
+            try:  # shutdown first: a close alone does not wake a pump blocked in recv on the socket, which then
+                # keeps it open (a stream held open forever, seen beside a CPU hog); linger 0 makes the close a RST
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._dropped.set()  # a paused pump returns
+        for s in connections:
+            with contextlib.suppress(OSError):
+                s.close()
         self._dropped = threading.Event()
 
     def cut(self) -> None:

