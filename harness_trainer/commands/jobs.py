@@ -194,7 +194,6 @@ def job_script(cfg: JobLaunchConfig, train, gpus: int, source: Source) -> str:
                    ("model_revision", "tool_call_parser", "reasoning_parser", "max_model_len")
                    if getattr(train, name) is not None]
     check_flags = [f for f in model_flags if not f.startswith("--max-model-len")]
-    health = f"http://127.0.0.1:{ENGINE_PORT}/health"
     lines = [
         "set -euo pipefail",
         'say() { echo "[harness-job] $*"; }',
@@ -212,7 +211,28 @@ def job_script(cfg: JobLaunchConfig, train, gpus: int, source: Source) -> str:
         'say "the model: $MODEL"',
         ".venv/bin/harness-train model check \"$MODEL\" " + " ".join(check_flags),  # downloads a Hub id once
         f"mkdir -p {shlex.quote(out)}",
-        f"{on_gpu('0')}.venv/bin/harness-train serve --model \"$MODEL\" {' '.join(model_flags)} --port {ENGINE_PORT} "
+        *_engine_lines(out, model_flags, on_gpu("0")),
+        "say 'training'",
+        f"{on_gpu(trainer_gpus) if gpus else ''}{launcher} {' '.join(_quote_keeping_env(f) for f in flags)}",
+    ]
+    if cfg.push_to:
+        repo = shlex.quote(cfg.push_to)
+        lines += [f"say 'pushing to {cfg.push_to}'",
+                  f".venv/bin/hf upload {repo} {shlex.quote(out + '/final')} . --repo-type model",
+                  f".venv/bin/hf upload {repo} {shlex.quote(out + '/traces.jsonl')} traces.jsonl --repo-type model"]
+    lines.append("say done")
+    return "\n".join(lines)
+
+
+def _engine_lines(out: str, model_flags: list[str], on_gpu: str) -> list[str]:
+    """vLLM started on the job's port, waited for with a bound; a failed start ends the job with its log."""
+    health = f"http://127.0.0.1:{ENGINE_PORT}/health"
+    return [
+        # a server already on the port would answer the health wait for an engine that failed (a --local job
+        # beside another run trained on that one's engine)
+        f".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"{health}\", timeout=5)' 2>/dev/null && "
+        f"fail 'port {ENGINE_PORT} already has a server: the job needs it for its own engine'",
+        f"{on_gpu}.venv/bin/harness-train serve --model \"$MODEL\" {' '.join(model_flags)} --port {ENGINE_PORT} "
         f"--startup-timeout {ENGINE_START_S} --log {shlex.quote(out + '/engine.log')} &",
         "ENGINE=$!",
         "trap 'kill \"$ENGINE\" 2>/dev/null || true' EXIT",  # serve stops vLLM on SIGTERM: nothing is left behind
@@ -225,16 +245,7 @@ def job_script(cfg: JobLaunchConfig, train, gpus: int, source: Source) -> str:
         "done",
         f".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"{health}\", timeout=5)' 2>/dev/null || "
         f"fail 'vLLM was not healthy within {ENGINE_START_S} s ({out}/engine.log)'",
-        "say 'training'",
-        f"{on_gpu(trainer_gpus) if gpus else ''}{launcher} {' '.join(_quote_keeping_env(f) for f in flags)}",
     ]
-    if cfg.push_to:
-        repo = shlex.quote(cfg.push_to)
-        lines += [f"say 'pushing to {cfg.push_to}'",
-                  f".venv/bin/hf upload {repo} {shlex.quote(out + '/final')} . --repo-type model",
-                  f".venv/bin/hf upload {repo} {shlex.quote(out + '/traces.jsonl')} traces.jsonl --repo-type model"]
-    lines.append("say done")
-    return "\n".join(lines)
 
 
 def _quote_keeping_env(arg: str) -> str:

@@ -40,6 +40,8 @@ SCRIPT = [
     'say "the model: $MODEL"',
     '.venv/bin/harness-train model check "$MODEL" ',
     "mkdir -p runs/train",
+    ".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
+    "2>/dev/null && fail 'port 8000 already has a server: the job needs it for its own engine'",
     'CUDA_VISIBLE_DEVICES=0 .venv/bin/harness-train serve --model "$MODEL"  --port 8000 --startup-timeout 1800 '
     "--log runs/train/engine.log &",
     "ENGINE=$!",
