@@ -55,6 +55,8 @@ class Link:
       pause_streams()  each response passes up to the end of its first event and no further: the stream is
                        "in the middle" for as long as the test wants; `first_event` is set when one has passed
       release()        the held rest of each paused response passes, and what follows it
+      hold_answers(b"/route")  an answer to a request on that route is held whole (streamed or not):
+                       `answer_held` is set once one is; drop() ends it
     """
 
     def __init__(self, target_port: int):
@@ -65,6 +67,8 @@ class Link:
         self.held: bytes | None = None
         self.paused = False
         self.first_event = threading.Event()
+        self.answers_held: bytes | None = None
+        self.answer_held = threading.Event()
         self.connections: list[socket.socket] = []
         self.alive = True
         self._dropped, self._released = threading.Event(), threading.Event()
@@ -85,12 +89,21 @@ class Link:
             client.close()
             return
         self.connections += [client, upstream]
-        threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
-        self._pump(client, upstream, requests=True)
+        route: list[bytes] = [b""]  # the request line this connection last sent (HTTP/1.1: answers in order)
+        threading.Thread(target=self._pump, args=(upstream, client, False, route), daemon=True).start()
+        self._pump(client, upstream, True, route)
 
-    def _pump(self, source: socket.socket, sink: socket.socket, requests: bool = False) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, requests: bool = False,
+              route: list[bytes] | None = None) -> None:
         try:
             while data := source.recv(65536):
+                if requests and route is not None and data[:8].split(b" ")[0] in (b"GET", b"POST"):
+                    route[0] = data.split(b"\r\n", 1)[0]
+                if not requests and self.answers_held and route and self.answers_held in route[0]:
+                    self.answer_held.set()
+                    dropped = self._dropped
+                    dropped.wait()  # held whole until the test drops the connection
+                    return
                 if requests and self.held and self.held in data.split(b"\r\n", 1)[0]:
                     while self.alive and source.recv(65536):  # held: read, never forward, never answer
                         pass
@@ -122,13 +135,17 @@ class Link:
         self.first_event.clear()
         self._released = threading.Event()
 
+    def hold_answers(self, route: bytes | None) -> None:
+        self.answers_held = route
+        self.answer_held.clear()
+
     def release(self) -> None:
         self.paused = False
         self._released.set()
 
     def drop(self) -> None:
         connections, self.connections = self.connections, []
-        self.paused = False
+        self.paused, self.answers_held = False, None
         for s in connections:
             try:  # shutdown first: a close alone does not wake a pump blocked in recv on the socket, which then
                 # keeps it open (a stream held open forever, seen beside a CPU hog); linger 0 makes the close a RST

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter
 
 import httpx
@@ -71,13 +70,6 @@ def post(session: dict, messages: list[dict], **extra) -> httpx.Response:
 def finished_requests(url: str) -> float:
     """The engine's own count of requests it finished (vLLM's Prometheus counter)."""
     return prometheus_total(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:request_success") or 0.0
-
-
-def running_requests(url: str) -> float:
-    try:
-        return prometheus_total(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:num_requests_running") or 0.0
-    except httpx.HTTPError:
-        return 0.0
 
 
 def converse(session: dict, turns: int) -> None:
@@ -197,26 +189,29 @@ def test_harness_train_over_two_engines_syncs_both(fresh_engine, second_engine, 
 @pytest.mark.slow
 def test_an_engine_killed_mid_run_and_the_run_finishes(fresh_engine, second_engine, tmp_path):
     """`harness-train` over two engines, the second SIGKILLed once rollouts are under way: its rollouts end
-    `unscorable` ("engine lost"), the run trains every step on the other, and every finished call is journaled."""
+    `unscorable` ("engine lost"), the run trains every step on the other, and every finished call is journaled.
+    The second engine sits behind a Link that holds its first chat answer: the kill lands with a rollout's call
+    on it, whatever the model's speed (polling vLLM's running-request gauge missed every call beside a load)."""
     import subprocess
     import sys
 
     from conftest import SMOKE_FLAGS
 
-    out = tmp_path / "run"
+    out, link = tmp_path / "run", Link(int(second_engine.url.rsplit(":", 1)[1]))
+    link.hold_answers(b"/chat/completions")
     run = subprocess.Popen([sys.executable, "-m", "harness_trainer.commands.cli", *SMOKE_FLAGS, "--max-steps", "4",
                             "--max-concurrent-rollouts", "4", "--report-to", "none", "--vllm-url", fresh_engine.url,
-                            "--vllm-url", second_engine.url, "--output-dir", str(out)],
+                            "--vllm-url", link.url, "--output-dir", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not running_requests(second_engine.url):  # killed with a rollout's call on it
-            assert run.poll() is None and time.monotonic() < deadline, "no call ever ran on the second engine"
-            time.sleep(0.05)
+        wait_until(lambda: link.answer_held.is_set() or run.poll() is not None, 600, "a call on the second engine")
+        assert link.answer_held.is_set(), "no call ever ran on the second engine"
         kill_group(second_engine.managed.process)
+        link.drop()
         _, err = run.communicate(timeout=600)
     finally:
         run.kill()
+        link.cut()
     assert run.returncode == 0, err[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
