@@ -93,12 +93,12 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
     from harness_trainer.rollouts.services import run_services
     from harness_trainer.rollouts.tasks import load_dataset
 
+    cfg.check()  # a config changed after it was made is checked again, as the trainer checks its args
     environment, reward_funcs = None, []
     if cfg.environment:  # white-box: the rows are the tasks, the reward functions the verifier
         from harness_trainer.rollouts.environments import load_object, load_rows
         from harness_trainer.rollouts.rewards import resolve_reward_funcs
 
-        cfg.check()  # a config changed after it was made: the white-box rules (EvalConfig.check)
         environment = load_object(cfg.environment, "--environment")
         reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
         tasks = load_rows(cfg.dataset)[: cfg.limit]
