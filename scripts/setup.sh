@@ -15,6 +15,7 @@
 #                 local base images the container tests' Dockerfiles name (scripts/base_images.sh: no registry
 #                 is reachable, so they are made from Debian's packages)
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
+#   bench         only with BENCH=1 (`make bench`): Debian's nginx-light and wrk, py-spy in .venv (bench/wrk.py)
 #
 # HARNESS_SETUP_ONLY="engine trainer proxy opencode" sets up only the steps named (a Jobs run: the engine, the
 # trainer, the proxy and the one agent it runs; commands/jobs.py). Unset: everything.
@@ -30,6 +31,7 @@ OPENCODE_VERSION=1.18.33
 CLAUDE_CODE_VERSION=2.1.197
 CODEX_VERSION=0.171.0
 HARBOR_VERSION=0.26.0
+PY_SPY_VERSION=0.4.3
 STAMPS=.setup-stamps
 mkdir -p "$STAMPS"
 
@@ -107,9 +109,9 @@ install_trainer() {
 
 install_proxy() {
   fresh_venv .venv-proxy
-  .venv-proxy/bin/pip install "mitmproxy==$MITMPROXY_VERSION" httpx
+  .venv-proxy/bin/pip install "mitmproxy==$MITMPROXY_VERSION" httpx "orjson>=3.10"
   .venv-proxy/bin/pip install --no-deps -e .
-  .venv-proxy/bin/python -c 'import mitmproxy, httpx, harness_trainer.proxy'
+  .venv-proxy/bin/python -c 'import mitmproxy, httpx, orjson, harness_trainer.proxy'
 }
 
 install_mini() {
@@ -160,6 +162,14 @@ install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it 
   .venv-harbor/bin/python -c 'import harbor.environments.factory'
 }
 if [ "${HARBOR:-0}" = 1 ]; then run_step harbor "$HARBOR_VERSION" install_harbor; fi
+install_bench() {  # on request (BENCH=1, `make bench`): a load generator and an upstream that are not measured
+  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install nginx-light wrk yourself"; return 1; fi
+  apt-get install -y --no-install-recommends nginx-light wrk ||
+    { apt-get update && apt-get install -y --no-install-recommends nginx-light wrk; }
+  .venv/bin/pip install "py-spy==$PY_SPY_VERSION"  # where the proxy's time goes (bench/proxy.py --profile)
+  command -v nginx && command -v wrk && .venv/bin/py-spy --version
+}
+if [ "${BENCH:-0}" = 1 ]; then run_step bench "$PY_SPY_VERSION" install_bench; fi
 if command -v bwrap >/dev/null 2>&1; then wanted bubblewrap && echo "setup: bubblewrap is present"
 else run_step bubblewrap "apt" install_bwrap; fi
 install_chromium() {  # the run viewer's tests drive a real headless browser

@@ -25,6 +25,7 @@ import httpx
 from mitmproxy import http
 
 from harness_trainer._exceptions import NoEngine, PolicyRefusal
+from harness_trainer.proxy import fastjson
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.capture import Completion, SamplingPolicy, SSEDecoder, event_data, prepare_chat_request
 from harness_trainer.proxy.control import ControlRoutes, json_response, session_key
@@ -91,14 +92,14 @@ class CallInFlight:
                 continue
             chunk = None
             with contextlib.suppress(json.JSONDecodeError):
-                chunk = json.loads(payload) if payload else None
+                chunk = fastjson.loads(payload) if payload else None
             if isinstance(chunk, dict) and chunk.get("error") and not self.failed:  # the engine failed mid-stream
                 error = chunk["error"]
                 out.append(self._fail(f"the engine failed mid-answer: "
                                       f"{error.get('message') if isinstance(error, dict) else error}"))
                 continue
             if isinstance(chunk, dict) and self._alias(chunk):
-                raw = b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+                raw = b"data: " + fastjson.dumps(chunk)
             if isinstance(chunk, dict):
                 if chunk.get("prompt_token_ids"):
                     self.completion.prompt_token_ids = chunk["prompt_token_ids"]
@@ -134,7 +135,7 @@ class CallInFlight:
         self.store.record(self.session, Call(
             index=len(self.session.calls), dialect=self.dialect.name, stream=self.stream, model=self.sent["model"],
             policy_version=self.policy_version, n_tools=len(self.sent.get("tools") or []),
-            request={"messages": self.sent["messages"], "tools": self.sent.get("tools")},
+            request=self.session.share(self.sent),
             sampling_params=self.sent_params, requested_sampling_params=self.requested_params,
             prompt_token_ids=c.prompt_token_ids or [], completion_token_ids=c.token_ids,
             per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
@@ -231,7 +232,7 @@ class CaptureAddon:
                                                                   "capture session (POST /sessions)"))
             return
         try:
-            asked = json.loads(flow.request.get_content() or b"")
+            asked = fastjson.loads(flow.request.get_content() or b"")
         except (ValueError, UnicodeDecodeError) as exc:
             flow.response = json_response(400, dialect.error(400, f"request body is not valid JSON: {exc}"))
             return
@@ -278,7 +279,7 @@ class CaptureAddon:
         for header in ("authorization", "x-api-key", "x-goog-api-key", "accept-encoding"):
             flow.request.headers.pop(header, None)
         flow.request.headers["content-type"] = "application/json"
-        flow.request.content = json.dumps(call.sent).encode()
+        flow.request.content = fastjson.dumps(call.sent)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         capture: CallInFlight | None = flow.metadata.get("capture")
@@ -333,11 +334,11 @@ class CaptureAddon:
             if capture.stream:
                 body = b"".join(capture.feed(response.content) + capture.feed(b""))
             else:
-                answer = json.loads(response.content)
+                answer = fastjson.loads(response.content)
                 capture._alias(answer)
                 capture.completion = Completion.from_json(answer)
                 capture.finish()
-                body = json.dumps(capture.dialect.from_chat(answer, capture.asked)).encode()
+                body = fastjson.dumps(capture.dialect.from_chat(answer, capture.asked))
             flow.response = http.Response.make(200, body, {
                 "content-type": "text/event-stream" if capture.stream else "application/json"})
             return

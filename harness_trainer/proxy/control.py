@@ -21,18 +21,18 @@ session's key is still confined to that session's own routes.
 from __future__ import annotations
 
 import hmac
-import json
 from pathlib import Path
 
 from mitmproxy import ctx, http
 
 from harness_trainer._exceptions import NoEngine, NotTrainable
+from harness_trainer.proxy import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import rollout_document, training_trace
 
 
 def json_response(status: int, body) -> http.Response:
-    return http.Response.make(status, json.dumps(body).encode(), {"content-type": "application/json"})
+    return http.Response.make(status, fastjson.dumps(body), {"content-type": "application/json"})
 
 
 def session_key(request: http.Request) -> str | None:
@@ -90,7 +90,7 @@ class ControlRoutes:
         body = {}
         if method in ("POST", "PUT", "PATCH") and request.content:
             try:
-                body = json.loads(request.content)
+                body = fastjson.loads(request.content)
                 if not isinstance(body, dict):
                     raise ValueError("expected a JSON object")
             except (ValueError, UnicodeDecodeError) as exc:

@@ -19,6 +19,7 @@ import secrets
 from dataclasses import asdict
 from pathlib import Path
 
+from harness_trainer.proxy import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import SESSION_ID, Call, Session
 
@@ -37,10 +38,10 @@ class SessionStore:
     def _append(self, session_id: str, record: dict) -> None:
         if not self.journal_dir:
             return
-        line = json.dumps(record, separators=(",", ":")) + "\n"
+        line = fastjson.dumps(record) + b"\n"
         fd = os.open(self.journal_dir / f"{session_id}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, line.encode())
+            os.write(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -64,7 +65,7 @@ class SessionStore:
             session = None
             for line in path.read_text(encoding="utf-8").splitlines():
                 try:
-                    record = json.loads(line)
+                    record = fastjson.loads(line)
                 except json.JSONDecodeError:
                     break  # torn tail
                 kind = record.pop("t", None)
@@ -72,7 +73,7 @@ class SessionStore:
                     record["policy"] = SamplingPolicy(**record["policy"])
                     session = Session(**record)
                 elif kind == "call" and session:
-                    session.calls.append(Call(**record))
+                    session.calls.append(Call(**dict(record, request=session.share(record["request"]))))
                 elif kind == "upstream" and session:
                     session.upstream = record["upstream"]
                 elif kind == "stop" and session:
@@ -98,12 +99,12 @@ class SessionStore:
                           policy=policy or SamplingPolicy(), max_model_calls=max_model_calls,
                           policy_version=policy_version, sampling_model=self.current_model, metadata=metadata or {})
         self._append(session.id, {"t": "session", **{k: v for k, v in asdict(session).items()
-                                                      if k not in ("calls", "started_calls", "stops")}})
+                                                      if k not in ("calls", "started_calls", "stops", "shared")}})
         self.sessions[session.id] = session
         return session
 
     def record(self, session: Session, call: Call) -> None:
-        if self.journal_dir:  # vars(), not asdict(): Call holds plain lists and dicts, no deep copy needed
+        if self.journal_dir:  # vars(), not asdict(): what a Call holds is only written, no deep copy needed
             self._append(session.id, {"t": "call", **vars(call)})
         session.calls.append(call)
 

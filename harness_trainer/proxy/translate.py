@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import uuid
 
+from harness_trainer.proxy import fastjson
+
 
 def sse(data: dict | str, event: str | None = None) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return (f"event: {event}\n" if event else "").encode() + b"data: " + payload.encode() + b"\n\n"
+    payload = data.encode() if isinstance(data, str) else fastjson.dumps(data)
+    return (f"event: {event}\n" if event else "").encode() + b"data: " + payload + b"\n\n"
 
 
 class BlockStream:

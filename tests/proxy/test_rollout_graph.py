@@ -75,3 +75,28 @@ def test_untrainable_capture_is_reported_not_exported():
         training_trace(session)
     with pytest.raises(NotTrainable, match="no agent turns"):
         training_trace(Session(id="e", upstream="http://u", model="tiny"))
+
+
+def test_a_session_holds_its_ids_as_arrays_and_its_repeated_texts_once_and_exports_plain_lists():
+    from array import array
+
+    from harness_trainer.proxy import fastjson
+    from harness_trainer.proxy.session import rollout_document
+
+    session = Session(id="s", upstream="http://engine", model="tiny")
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    result = "pytest output " * 100  # a tool result the next calls repeat
+    for k in range(3):
+        messages = [{"role": "system", "content": "agent"}, {"role": "user", "content": (result + "!")[:-1]}] + \
+            [{"role": "user", "content": f"turn {j}"} for j in range(k)]
+        request = session.share({"messages": messages, "tools": [dict(t) for t in tools]})
+        session.calls.append(Call(**{**vars(call(k, list(range(70_000 + k)), [7, 8])), "request": request}))
+    first, last = session.calls[0], session.calls[-1]
+    assert isinstance(first.prompt_token_ids, array) and isinstance(first.per_token_logps, array)
+    assert last.request["messages"][1]["content"] is first.request["messages"][1]["content"]
+    assert last.request["tools"] is first.request["tools"] == tools
+    exported = rollout_document(session)["calls"][-1]
+    assert exported["prompt_token_ids"] == list(range(70_002)) and exported["per_token_logps"] == [-0.5, -0.5]
+    assert type(exported["prompt_token_ids"]) is list
+    assert fastjson.loads(fastjson.dumps(vars(last)))["prompt_token_ids"] == list(range(70_002))  # the journal
+    TrainingTrace.model_validate(training_trace(session))

@@ -1,0 +1,35 @@
+"""The proxy's JSON (orjson, the standard library behind it): every body reads and writes as json did."""
+
+import json
+import math
+
+import pytest
+
+from harness_trainer.proxy import fastjson
+
+
+def test_a_call_round_trips_exactly_floats_included():
+    answer = {"prompt_token_ids": list(range(50_000)), "choices": [{"logprobs": {"content": [
+        {"token": "token_id:7", "logprob": -0.1234567890123456789, "bytes": [120]},
+        {"token": "token_id:8", "logprob": -1e-300, "bytes": []}]}, "message": {"content": "héllo ✓"}}]}
+    assert json.loads(fastjson.dumps(answer)) == answer
+    assert fastjson.loads(json.dumps(answer)) == answer
+    assert fastjson.loads(json.dumps(answer).encode()) == answer
+
+
+@pytest.mark.parametrize("body", [b'{"temperature": NaN}', b'{"x": Infinity}', b'{"text": "\\ud800 alone"}'])
+def test_what_orjson_refuses_is_read_as_json_reads_it(body):
+    got, want = fastjson.loads(body), json.loads(body)
+    assert repr(got) == repr(want)  # repr: NaN != NaN
+    assert not isinstance(got.get("temperature"), float) or math.isnan(got["temperature"])
+
+
+@pytest.mark.parametrize("value", [{"text": "\ud800 alone"}, {"n": 2 ** 70}, {1: "an int key"}])
+def test_what_orjson_cannot_write_is_written_as_json_writes_it(value):
+    assert fastjson.dumps(value) == json.dumps(value, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b'{"a": }', b"\xff\xfe{}"])
+def test_a_body_that_is_not_json_raises_what_json_raises(body):
+    with pytest.raises((ValueError, UnicodeDecodeError)):
+        fastjson.loads(body)
