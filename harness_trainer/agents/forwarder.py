@@ -75,7 +75,7 @@ class SocketBridge:
 
     def __init__(self, path: os.PathLike | None, host: str, port: int):
         _sweep()
-        self.folder = pathlib.Path(tempfile.mkdtemp(prefix="harness-trial-"))
+        self.folder = pathlib.Path(tempfile.mkdtemp(prefix=f"harness-trial-{os.getpid()}-"))
         self.folder.chmod(0o755)
         self.path = os.fspath(path or self.folder / "proxy.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -94,19 +94,36 @@ class SocketBridge:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+_SWEPT = threading.Lock()
+_swept = False
+
+
 def _sweep() -> None:
-    """Remove the folders of bridges whose run died without closing them (SIGKILL): a socket nobody listens on."""
+    """Once per process: remove the folders of bridges whose process died without closing them (SIGKILL).
+
+    A folder is named after the process that made it (harness-trial-PID-*), so a dead run's are found without
+    touching a live one's. Probing each folder's socket instead, as this did, cost every new trial a connection
+    to every other trial's bridge (a thread and a proxy connection each: 2,000 threads at 64 trials), and removed
+    the folder of a bridge bound but not yet listening (its trial failed: "no such file ... forwarder.py")."""
+    global _swept
+    with _SWEPT:
+        if _swept:
+            return
+        _swept = True
     for folder in pathlib.Path(tempfile.gettempdir()).glob("harness-trial-*"):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(0.5)
-            probe.connect(str(folder / "proxy.sock"))
-        except ConnectionRefusedError:
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # no socket yet (a bridge being made), or busy: leave it
-            pass
-        finally:
-            probe.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def _settle(sock: socket.socket) -> socket.socket:
@@ -117,14 +134,9 @@ def _settle(sock: socket.socket) -> socket.socket:
 def _watch(pid: int) -> None:
     """Exit once `pid` is gone: a forwarder must not outlive what it serves, even when that was SIGKILLed (a
     jail's init waits for every child, so a forwarder left running would keep the jail alive too)."""
-    while True:
+    while _alive(pid):
         time.sleep(1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os._exit(0)
-        except PermissionError:  # alive, owned by another user
-            pass
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

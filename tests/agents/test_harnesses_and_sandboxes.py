@@ -374,3 +374,32 @@ def test_agent_programs_under_tmp_stay_visible_in_the_jail(tmp_path):
     box.start()
     assert box.exec(f"bash {program}/agent.sh && touch /tmp/mine", 10).stdout == "agent-ran\n"
     assert (tmp_path / "trial" / "tmp" / "mine").exists()
+
+
+# ---- the trials' socket bridges ------------------------------------------------------------------------------
+
+
+def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept(monkeypatch):
+    """A bridge's folder is swept only when the process named in it is gone: bridges made by many threads at
+    once all keep theirs (probing sockets instead removed one bound but not yet listening)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harness_trainer.agents import forwarder
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"harness-trial-{dead.pid}-"))
+    monkeypatch.setattr(forwarder, "_swept", False)
+    with ThreadPoolExecutor(32) as pool:
+        bridges = list(pool.map(lambda _: forwarder.SocketBridge(None, "127.0.0.1", 9), range(64)))
+    try:
+        assert not stale.exists()
+        assert all((b.folder / "proxy.sock").exists() for b in bridges)
+        assert all(b.folder.name.startswith(f"harness-trial-{os.getpid()}-") for b in bridges)
+        monkeypatch.setattr(forwarder, "_swept", False)
+        forwarder._sweep()  # this process is alive: nothing of its own is touched
+        assert all(b.folder.exists() for b in bridges)
+    finally:
+        for bridge in bridges:
+            bridge.close()
