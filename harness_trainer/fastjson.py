@@ -1,8 +1,8 @@
-"""JSON on the proxy's path: orjson, 5-10x the standard library on what a call carries (prompt token ids by the
-ten thousand, a 400 KB conversation), with the standard library behind it for what orjson refuses and an agent
-may still send (NaN, a lone surrogate escape): a body reads and writes as it did before, only faster.
+"""JSON where it is heavy: orjson, 3-10x the standard library on what calls and traces carry (prompt token ids by
+the ten thousand, a 400 KB conversation), with the standard library behind it for what orjson refuses and an
+agent may still send (NaN, a lone surrogate escape): a body reads and writes as it did before, only faster.
 
-Measured in docs/benchmarks.md ("The capture proxy"): parsing the engine's answer was half of a 200 KB call."""
+Measured in docs/benchmarks.md: parsing the engine's answer was half of a 200 KB call through the proxy."""
 
 from __future__ import annotations
 

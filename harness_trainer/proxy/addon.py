@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 from mitmproxy import http
 
+from harness_trainer import fastjson
 from harness_trainer._exceptions import NoEngine, PolicyRefusal
-from harness_trainer.proxy import fastjson
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.capture import Completion, SamplingPolicy, SSEDecoder, event_data, prepare_chat_request
 from harness_trainer.proxy.control import ControlRoutes, json_response, session_key

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from harness_trainer import fastjson
 from harness_trainer._exceptions import CaptureNotTrainable, ProcessError, ProxyError
 from harness_trainer.serving.process import ManagedProcess, free_port
 
@@ -42,7 +43,7 @@ class ProxyClient:
             raise CaptureNotTrainable(response.json().get("reason", response.text))
         if not response.is_success:
             raise ProxyError(f"proxy {method} {path} -> HTTP {response.status_code}: {response.text[:500]}")
-        return response.json()
+        return fastjson.loads(response.content)  # a trace carries every token id of its rollout
 
     def create_session(self, **settings) -> dict:
         """settings: id, upstream, model, policy{training,temperature,max_tokens_cap}, max_model_calls,

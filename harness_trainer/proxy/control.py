@@ -25,8 +25,8 @@ from pathlib import Path
 
 from mitmproxy import ctx, http
 
+from harness_trainer import fastjson
 from harness_trainer._exceptions import NoEngine, NotTrainable
-from harness_trainer.proxy import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import rollout_document, training_trace
 

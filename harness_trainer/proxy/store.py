@@ -19,7 +19,7 @@ import secrets
 from dataclasses import asdict
 from pathlib import Path
 
-from harness_trainer.proxy import fastjson
+from harness_trainer import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import SESSION_ID, Call, Session
 

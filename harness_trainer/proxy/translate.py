@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from harness_trainer.proxy import fastjson
+from harness_trainer import fastjson
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:

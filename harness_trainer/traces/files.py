@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from harness_trainer import fastjson
 from harness_trainer._exceptions import TraceFileError
 
 if TYPE_CHECKING:
     from openenv.core.harness.training import TrainingTrace, TrainingTurn
 
 __all__ = ["TrainingTrace", "TrainingTurn", "TraceFileError", "iter_traces", "read_traces", "write_traces",
-           "append_trace", "turn_counts"]
+           "append_trace", "append_wire", "turn_counts"]
 
 
 def __getattr__(name: str):
@@ -86,7 +87,18 @@ def write_traces(path: str | Path, traces: Iterable[TrainingTrace]) -> None:
 
 def append_trace(path: str | Path, trace: TrainingTrace) -> None:
     """Append one trace and fsync, so a finished trace survives a crash that follows."""
-    with Path(path).open("a", encoding="utf-8") as f:
-        f.write(_line(trace))
+    _append(path, _line(trace).encode())
+
+
+def append_wire(path: str | Path, wire: dict) -> None:
+    """Append a trace already in OpenEnv's wire form as dumped from a validated TrainingTrace (run_rollout's):
+    written as it is. Validating and dumping it again cost the rollout pool more CPU than the rest of a rollout's
+    bookkeeping together (bench/rollouts_at_scale.py)."""
+    _append(path, fastjson.dumps(wire) + b"\n")
+
+
+def _append(path: str | Path, line: bytes) -> None:
+    with Path(path).open("ab") as f:
+        f.write(line)
         f.flush()
         os.fsync(f.fileno())

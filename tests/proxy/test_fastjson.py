@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from harness_trainer.proxy import fastjson
+from harness_trainer import fastjson
 
 
 def test_a_call_round_trips_exactly_floats_included():

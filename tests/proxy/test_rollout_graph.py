@@ -80,7 +80,7 @@ def test_untrainable_capture_is_reported_not_exported():
 def test_a_session_holds_its_ids_as_arrays_and_its_repeated_texts_once_and_exports_plain_lists():
     from array import array
 
-    from harness_trainer.proxy import fastjson
+    from harness_trainer import fastjson
     from harness_trainer.proxy.session import rollout_document
 
     session = Session(id="s", upstream="http://engine", model="tiny")
