@@ -1,0 +1,218 @@
+"""The rollout side at the scale of real runs: N rollouts in flight at once, every part real but the model.
+
+    .venv/bin/python bench/rollouts_at_scale.py --rollouts 1024 [--calls 8] [--final-kb 200] [--generation-s 2]
+                                                [--minutes 10] [--group 16] [--no-journal]
+
+Each rollout is a scripted agent (bench/scripted_agent.py: CALLS model calls, the conversation growing to FINAL_KB,
+odd calls streamed, a shell command between calls) run by the `command` harness in its own bubblewrap jail with
+its forwarder, through the capture proxy (journaled, as a training run's is) to a stub engine that answers like
+vLLM after GENERATION_S (bench/stub_engine.py), scored by the task's verifier in a jail of its own, collected by
+the rollout pool in groups of GROUP, written as a training run writes them. With --minutes, groups are launched
+as others end, keeping N in flight, for that long.
+
+Reported: rollouts/min; the latency each call added to the generation time (agent-measured, p50/p99); CPU and
+peak memory of the proxy, the forwarders, the jails and this process (the pool and the trials' socket bridges);
+threads and open file descriptors; every turn captured exactly once in the right session (0 lost, 0 mixed, 0
+duplicated: each user message carries [[session key:turn]]); memory over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.rollouts.pool import RolloutPool
+from harness_trainer.rollouts.session import LocalSessionFactory
+from harness_trainer.rollouts.tasks import load_dataset
+from harness_trainer.serving.process import ManagedProcess, free_port
+
+HERE = Path(__file__).resolve().parent
+MARK = re.compile(r"^\[\[([^\]:]+):(\d+)\]\]")
+TEST = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat /app/answer.txt 2>/dev/null)" = "{word}" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def make_tasks(root: Path, n: int) -> list:
+    for i in range(n):
+        task, word = root / f"scale-{i:04d}", f"w{i:04d}"
+        (task / "tests").mkdir(parents=True)
+        (task / "environment" / "app").mkdir(parents=True)
+        (task / "instruction.md").write_text(f"Write the word {word} into answer.txt.\n")
+        (task / "task.toml").write_text("[agent]\ntimeout_sec = 3600\n\n[verifier]\ntimeout_sec = 600\n")
+        (task / "tests" / "test.sh").write_text(TEST.format(word=word))
+        (task / "tests" / "test.sh").chmod(0o755)
+        shutil.copy(HERE / "scripted_agent.py", task / "environment" / "app" / "scripted_agent.py")
+    return load_dataset(str(root))
+
+
+class Sampler:
+    """Every few seconds: RSS by part, this process's threads, open descriptors of the proxy and of this process."""
+
+    def __init__(self, proxy_pid: int, stub_pid: int, every_s: float = 2.0):
+        self.proxy, self.stub = psutil.Process(proxy_pid), psutil.Process(stub_pid)
+        self.me, self.every_s, self.samples = psutil.Process(), every_s, []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            try:
+                self.samples.append(self.sample())
+            except psutil.Error:
+                continue
+
+    def sample(self) -> dict:
+        fixed = {self.proxy.pid, self.stub.pid, *(p.pid for p in self.proxy.children(recursive=True))}
+        rss = {"proxy": self.proxy.memory_info().rss, "forwarders": 0, "jails": 0, "pool": self.me.memory_info().rss}
+        jails = 0
+        for process in self.me.children(recursive=True):
+            if process.pid in fixed:
+                continue
+            try:
+                part = "forwarders" if "forwarder.py" in " ".join(process.cmdline()) else "jails"
+                rss[part] += process.memory_info().rss
+                jails += process.name() == "bwrap"
+            except psutil.Error:
+                continue
+        return {"t": time.time(), "rss": rss, "bwrap": jails, "threads": self.me.num_threads(),
+                "fds_pool": self.me.num_fds(), "fds_proxy": self.proxy.num_fds()}
+
+    def stop(self) -> dict:
+        self.stopped.set()
+        self.thread.join()
+        cpu = {"proxy": sum(self.proxy.cpu_times()[:2]), "stub": sum(self.stub.cpu_times()[:2])}
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped: the jails and what ran in them
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        cpu.update(jails=children.ru_utime + children.ru_stime, pool=me.ru_utime + me.ru_stime)
+        return cpu
+
+
+def check(record, calls: int, keys: dict[str, str], latencies: list[float], trials: Path, generation_s: float) -> dict:
+    """Lost, duplicated and mixed turns of one rollout (from its trace), and its calls' added latencies."""
+    found = {"lost": calls, "duplicated": 0, "mixed": 0, "failed": 0}
+    if record.status != "ok" or record.outcome.env_reward != 1.0 or not record.training_trace:
+        found["failed"] = 1
+        return found
+    seen = []
+    for turn in record.training_trace["turns"]:
+        last = [m for m in turn["request"]["messages"] if m.get("role") == "user"][-1]["content"]
+        key, k = MARK.match(last).groups()
+        seen.append(int(k))
+        if keys.setdefault(key, record.episode_id) != record.episode_id:
+            found["mixed"] += 1
+    own = {k for k, episode in keys.items() if episode == record.episode_id}
+    found["mixed"] += len(own) > 1
+    found.update(lost=calls - len(set(seen)), duplicated=len(seen) - len(set(seen)))
+    path = trials / record.episode_id / "app" / "latencies.json"
+    if path.exists():
+        latencies += [t - generation_s for t in json.loads(path.read_text())]
+    return found
+
+
+def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
+    """Keep args.rollouts in flight (groups of args.group) until args.minutes pass, or one wave without it."""
+    totals = {"lost": 0, "duplicated": 0, "mixed": 0, "failed": 0, "rollouts": 0}
+    keys: dict[str, str] = {}
+    latencies: list[float] = []
+    groups = args.rollouts // args.group
+    with RolloutPool(factory, out, workers=args.rollouts) as pool:
+        started = time.time()
+        for g in range(groups):
+            pool.launch(tasks[g % len(tasks)], args.group, f"g{g:05d}")
+        launched = groups
+        for group in pool.as_completed():
+            for record in group.records:
+                for name, n in check(record, args.calls, keys, latencies, out / "trials", args.generation_s).items():
+                    totals[name] += n
+                totals["rollouts"] += 1
+                shutil.rmtree(out / "trials" / record.episode_id, ignore_errors=True)  # disk: a run keeps them
+            if args.minutes and time.time() - started < args.minutes * 60:
+                pool.launch(tasks[launched % len(tasks)], args.group, f"g{launched:05d}")
+                launched += 1
+        elapsed = time.time() - started
+    return totals, latencies, elapsed
+
+
+def start_stub(generation_s: float, log: Path) -> ManagedProcess:
+    port = free_port()
+    stub = ManagedProcess("stub engine", [sys.executable, str(HERE / "stub_engine.py"), str(port), str(generation_s)],
+                          env={"PATH": "/usr/bin:/bin"}, log_path=log, health_url=f"http://127.0.0.1:{port}/health")
+    stub.start(60)
+    stub.url = f"http://127.0.0.1:{port}"
+    return stub
+
+
+def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: Sampler, cpu: dict) -> dict:
+    samples = sampler.samples
+    peak = {part: max(s["rss"][part] for s in samples) / 2 ** 20 for part in samples[0]["rss"]}
+    lat = sorted(latencies) or [float("nan")]
+    full = [s for s in samples if s["bwrap"] >= 0.8 * max(x["bwrap"] for x in samples)] or samples
+    first = [s for s in full if s["t"] - full[0]["t"] < 60]
+    last = [s for s in full if full[-1]["t"] - s["t"] < 60]
+    total = lambda ss: statistics.mean(sum(s["rss"].values()) for s in ss) / 2 ** 20  # noqa: E731
+    n = max(1, totals["rollouts"])
+    result = {
+        "rollouts": totals["rollouts"], "in_flight": args.rollouts, "minutes": elapsed / 60,
+        "rollouts_per_min": totals["rollouts"] / (elapsed / 60), "calls": len(latencies),
+        "added_p50_ms": lat[len(lat) // 2] * 1e3, "added_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
+        "peak_rss_mb": peak, "peak_rss_per_rollout_mb": {k: v / args.rollouts for k, v in peak.items()},
+        "cpu_s_per_rollout": {k: v / n for k, v in cpu.items()}, "cpu_s": cpu,
+        "peak_threads": max(s["threads"] for s in samples), "peak_fds_pool": max(s["fds_pool"] for s in samples),
+        "peak_fds_proxy": max(s["fds_proxy"] for s in samples), "peak_jails": max(s["bwrap"] for s in samples),
+        "rss_first_minute_mb": total(first), "rss_last_minute_mb": total(last), **totals}
+    result["memory_growth"] = result["rss_last_minute_mb"] / result["rss_first_minute_mb"] - 1
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=1024, help="in flight at once")
+    parser.add_argument("--group", type=int, default=16, help="rollouts per group (G)")
+    parser.add_argument("--calls", type=int, default=8, help="model calls per rollout")
+    parser.add_argument("--final-kb", type=int, default=200, help="the conversation's size at the last call")
+    parser.add_argument("--generation-s", type=float, default=2.0, help="the stub engine's time per answer")
+    parser.add_argument("--minutes", type=float, default=0, help="keep the rollouts in flight this long")
+    parser.add_argument("--no-journal", action="store_true", help="the proxy without its journal")
+    parser.add_argument("--out", type=Path, default=None, help="where the run's files go (a temporary folder)")
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    tasks = make_tasks(out / "tasks", 64)
+    python = Path(sys.base_prefix) / "bin" / "python3"
+    harness = CommandHarness(f"{python} -S -I /app/scripted_agent.py {args.calls} {args.final_kb} /app/answer.txt "
+                             "{instruction}")
+    stub = start_stub(args.generation_s, out / "stub.log")
+    try:
+        with ProxyServer(stub.url, model="tiny", journal=None if args.no_journal else out / "journal",
+                         log_path=out / "proxy.log", startup_timeout_s=60) as proxy:
+            factory = LocalSessionFactory(None, proxy=proxy.client, harness=harness, output_dir=out / "run",
+                                          step_limit=args.calls, max_model_calls=args.calls + 4)
+            sampler = Sampler(proxy.managed.process.pid, stub.process.pid)
+            totals, latencies, elapsed = run(args, tasks, factory, out / "run")
+            result = report(args, totals, latencies, elapsed, sampler, sampler.stop())
+    finally:
+        stub.stop()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
