@@ -61,10 +61,14 @@ def make_tasks(root: Path, n: int) -> list:
     return load_dataset(str(root))
 
 
-class Sampler:
-    """Every few seconds: RSS by part, this process's threads, open descriptors of the proxy and of this process."""
+def pss(process: psutil.Process) -> int:
+    return process.memory_full_info().pss
 
-    def __init__(self, proxy_pid: int, stub_pid: int, every_s: float = 2.0):
+
+class Sampler:
+    """Every few seconds: memory (PSS) by part, this process's threads, the proxy's and this process's descriptors."""
+
+    def __init__(self, proxy_pid: int, stub_pid: int, every_s: float = 5.0):
         self.proxy, self.stub = psutil.Process(proxy_pid), psutil.Process(stub_pid)
         self.me, self.every_s, self.samples = psutil.Process(), every_s, []
         self.stopped = threading.Event()
@@ -79,15 +83,16 @@ class Sampler:
                 continue
 
     def sample(self) -> dict:
+        """PSS, not RSS: a page shared by N processes (the Python binary of every forwarder) counts 1/N each."""
         fixed = {self.proxy.pid, self.stub.pid, *(p.pid for p in self.proxy.children(recursive=True))}
-        rss = {"proxy": self.proxy.memory_info().rss, "forwarders": 0, "jails": 0, "pool": self.me.memory_info().rss}
+        rss = {"proxy": pss(self.proxy), "forwarders": 0, "jails": 0, "pool": pss(self.me)}
         jails = 0
         for process in self.me.children(recursive=True):
             if process.pid in fixed:
                 continue
             try:
                 part = "forwarders" if "forwarder.py" in " ".join(process.cmdline()) else "jails"
-                rss[part] += process.memory_info().rss
+                rss[part] += pss(process)
                 jails += process.name() == "bwrap"
             except psutil.Error:
                 continue
@@ -161,7 +166,7 @@ def start_stub(generation_s: float, log: Path) -> ManagedProcess:
 
 def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: Sampler, cpu: dict) -> dict:
     samples = sampler.samples
-    peak = {part: max(s["rss"][part] for s in samples) / 2 ** 20 for part in samples[0]["rss"]}
+    peak = {part: max(s["rss"][part] for s in samples) / 2 ** 20 for part in samples[0]["rss"]}  # PSS, MB
     lat = sorted(latencies) or [float("nan")]
     full = [s for s in samples if s["bwrap"] >= 0.8 * max(x["bwrap"] for x in samples)] or samples
     first = [s for s in full if s["t"] - full[0]["t"] < 60]
@@ -172,12 +177,12 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
         "rollouts": totals["rollouts"], "in_flight": args.rollouts, "minutes": elapsed / 60,
         "rollouts_per_min": totals["rollouts"] / (elapsed / 60), "calls": len(latencies),
         "added_p50_ms": lat[len(lat) // 2] * 1e3, "added_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
-        "peak_rss_mb": peak, "peak_rss_per_rollout_mb": {k: v / args.rollouts for k, v in peak.items()},
+        "peak_pss_mb": peak, "peak_pss_per_rollout_mb": {k: v / args.rollouts for k, v in peak.items()},
         "cpu_s_per_rollout": {k: v / n for k, v in cpu.items()}, "cpu_s": cpu,
         "peak_threads": max(s["threads"] for s in samples), "peak_fds_pool": max(s["fds_pool"] for s in samples),
         "peak_fds_proxy": max(s["fds_proxy"] for s in samples), "peak_jails": max(s["bwrap"] for s in samples),
-        "rss_first_minute_mb": total(first), "rss_last_minute_mb": total(last), **totals}
-    result["memory_growth"] = result["rss_last_minute_mb"] / result["rss_first_minute_mb"] - 1
+        "pss_first_minute_mb": total(first), "pss_last_minute_mb": total(last), **totals}
+    result["memory_growth"] = result["pss_last_minute_mb"] / result["pss_first_minute_mb"] - 1
     return result
 
 

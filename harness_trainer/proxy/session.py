@@ -92,6 +92,7 @@ class Session:
     started_calls: int = 0  # calls admitted (in flight or finished), for the budget
     stops: list[str] = field(default_factory=list)  # clean stops the proxy answered (budget, context), why
     shared: dict = field(default_factory=dict, repr=False)  # texts and tool lists its calls hold once (share)
+    graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
 
     def share(self, request: dict) -> dict:
         """Each call's request repeats the conversation so far and the same tools: a long text or a tool list
@@ -112,6 +113,14 @@ class Session:
                 "created": self.created, "calls": len(self.calls),
                 "stops": list(self.stops)}
 
+    def graph(self) -> tuple[dict[int, int | None], dict[int, str]]:
+        """parents() and roles() of the calls so far, computed once per number of calls: a rollout's end asks for
+        its trace and its graph, each of which walked every token of every call twice."""
+        if self.graph_of is None or self.graph_of[0] != len(self.calls):
+            parent = parents(self.calls)
+            self.graph_of = (len(self.calls), parent, roles(self.calls, parent))
+        return self.graph_of[1], self.graph_of[2]
+
     def node_id(self, call: Call) -> str:
         return f"{self.id}:{call.index}"
 
@@ -123,9 +132,9 @@ def parents(calls: list[Call]) -> dict[int, int | None]:
     return {call.index: None if j is None else calls[j].index for call, j in zip(calls, found)}
 
 
-def roles(calls: list[Call]) -> dict[int, str]:
-    """index -> 'agent' | 'auxiliary' | 'discarded'."""
-    parent = parents(calls)
+def roles(calls: list[Call], parent: dict[int, int | None] | None = None) -> dict[int, str]:
+    """index -> 'agent' | 'auxiliary' | 'discarded' (`parent`: parents(calls), when already known)."""
+    parent = parent if parent is not None else parents(calls)
     continued = {p for p in parent.values() if p is not None}
     any_tools = any(c.n_tools for c in calls)
     same_prompt: dict[tuple, list[Call]] = {}
@@ -151,7 +160,7 @@ def rollout_document(session: Session, ids: bool = True) -> dict:
     """The full capture: every call with its graph links and role, trainable or not. With ids=False the graph
     alone (GET /sessions/{id}/graph): each call's links, role and token counts, without its token ids, request
     and answer, so reading it is linear in the calls, not in every prompt's tokens."""
-    parent, role = parents(session.calls), roles(session.calls)
+    parent, role = session.graph()
     calls, before = [], None  # before: the last agent call so far, for why a later root broke from it
     for c in sorted(session.calls, key=lambda c: c.index):
         # a shallow copy: the lists are only serialised (asdict's deep copy of every prompt cost as much again)

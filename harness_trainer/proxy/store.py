@@ -23,6 +23,8 @@ from harness_trainer import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import SESSION_ID, Call, Session
 
+NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of")  # journaled as they happen, or derived
+
 
 class SessionStore:
     def __init__(self, journal_dir: str | Path | None = None):
@@ -98,8 +100,8 @@ class SessionStore:
         session = Session(id=session_id, upstream=upstream.rstrip("/"), model=model,
                           policy=policy or SamplingPolicy(), max_model_calls=max_model_calls,
                           policy_version=policy_version, sampling_model=self.current_model, metadata=metadata or {})
-        self._append(session.id, {"t": "session", **{k: v for k, v in asdict(session).items()
-                                                      if k not in ("calls", "started_calls", "stops", "shared")}})
+        kept = {k: v for k, v in asdict(session).items() if k not in NOT_JOURNALED}
+        self._append(session.id, {"t": "session", **kept})
         self.sessions[session.id] = session
         return session
 

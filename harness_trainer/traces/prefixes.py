@@ -59,9 +59,17 @@ def longest_prefix_parents(prompts: list[Sequence[int]], fulls: list[Sequence[in
     return parents
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((k for k in range(n) if a[k] != b[k]), n)
+def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 512) -> int:
+    """The length of the longest common prefix: compared a block at a time at C speed, token by token only in
+    the block that differs (a Python step per token cost a proxy 4 % of its time at 64 rollouts in flight)."""
+    n, at = min(len(a), len(b)), 0
+    while at < n:
+        end = min(n, at + block)
+        x, y = a[at:end], b[at:end]
+        if (x != y) if type(x) is type(y) else (list(x) != list(y)):  # an array never equals a list
+            return next(k for k in range(at, end) if a[k] != b[k])
+        at = end
+    return n
 
 
 def root_break(prompt: Sequence[int], before_prompt: Sequence[int], before_full: Sequence[int],
