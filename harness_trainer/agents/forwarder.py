@@ -110,9 +110,9 @@ def _sweep() -> None:
         if _swept:
             return
         _swept = True
-    for folder in pathlib.Path(tempfile.gettempdir()).glob("harness-trial-*"):
-        pid = folder.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+    for folder in pathlib.Path(tempfile.gettempdir()).glob("harness-trial-*-*"):
+        parts = folder.name.split("-")  # harness, trial, PID, mkdtemp's suffix (never a "-" in it)
+        if len(parts) == 4 and parts[2].isdigit() and not _alive(int(parts[2])):
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -390,11 +390,12 @@ def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept(
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = Path(tempfile.mkdtemp(prefix=f"harness-trial-{dead.pid}-"))
+    unnamed = Path(tempfile.mkdtemp(prefix="harness-trial-"))  # no process in its name (an older run's): kept
     monkeypatch.setattr(forwarder, "_swept", False)
     with ThreadPoolExecutor(32) as pool:
         bridges = list(pool.map(lambda _: forwarder.SocketBridge(None, "127.0.0.1", 9), range(64)))
     try:
-        assert not stale.exists()
+        assert not stale.exists() and unnamed.exists()
         assert all((b.folder / "proxy.sock").exists() for b in bridges)
         assert all(b.folder.name.startswith(f"harness-trial-{os.getpid()}-") for b in bridges)
         monkeypatch.setattr(forwarder, "_swept", False)
@@ -403,3 +404,4 @@ def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept(
     finally:
         for bridge in bridges:
             bridge.close()
+        unnamed.rmdir()
