@@ -65,7 +65,7 @@ def _rewarded_episodes(traces_file: Path) -> set[str]:
     rollouts = traces_file.with_name("rollouts.jsonl")
     if not rollouts.exists():
         raise SFTError(f"--only-rewarded needs {rollouts} (the rollout records written next to the traces)")
-    records = [json.loads(line) for line in rollouts.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in rollouts.read_text(encoding="utf-8").splitlines() if line.strip()]
     return {r["episode_id"] for r in records if (r["outcome"].get("env_reward") or 0) >= 1.0}
 
 
