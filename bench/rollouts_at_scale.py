@@ -183,6 +183,8 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
         "peak_fds_proxy": max(s["fds_proxy"] for s in samples), "peak_jails": max(s["bwrap"] for s in samples),
         "pss_first_minute_mb": total(first), "pss_last_minute_mb": total(last), **totals}
     result["memory_growth"] = result["pss_last_minute_mb"] / result["pss_first_minute_mb"] - 1
+    part = lambda ss, name: statistics.mean(s["rss"][name] for s in ss)  # noqa: E731
+    result["memory_growth_by_part"] = {name: part(last, name) / part(first, name) - 1 for name in samples[0]["rss"]}
     return result
 
 
