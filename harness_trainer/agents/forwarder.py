@@ -19,6 +19,7 @@ in a container's network namespace through nsenter): stdlib only, nothing of the
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import shutil
@@ -94,10 +95,7 @@ class SocketBridge:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-_SWEPT = threading.Lock()
-_swept = False
-
-
+@functools.cache  # once per process (two first calls at once would both sweep: harmless)
 def _sweep() -> None:
     """Once per process: remove the folders of bridges whose process died without closing them (SIGKILL).
 
@@ -105,11 +103,6 @@ def _sweep() -> None:
     touching a live one's. Probing each folder's socket instead, as this did, cost every new trial a connection
     to every other trial's bridge (a thread and a proxy connection each: 2,000 threads at 64 trials), and removed
     the folder of a bridge bound but not yet listening (its trial failed: "no such file ... forwarder.py")."""
-    global _swept
-    with _SWEPT:
-        if _swept:
-            return
-        _swept = True
     for folder in pathlib.Path(tempfile.gettempdir()).glob("harness-trial-*-*"):
         parts = folder.name.split("-")  # harness, trial, PID, mkdtemp's suffix (never a "-" in it)
         if len(parts) == 4 and parts[2].isdigit() and not _alive(int(parts[2])):

@@ -379,7 +379,7 @@ def test_agent_programs_under_tmp_stay_visible_in_the_jail(tmp_path):
 # ---- the trials' socket bridges ------------------------------------------------------------------------------
 
 
-def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept(monkeypatch):
+def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept():
     """A bridge's folder is swept only when the process named in it is gone: bridges made by many threads at
     once all keep theirs (probing sockets instead removed one bound but not yet listening)."""
     import tempfile
@@ -391,14 +391,14 @@ def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept(
     dead.wait()
     stale = Path(tempfile.mkdtemp(prefix=f"harness-trial-{dead.pid}-"))
     unnamed = Path(tempfile.mkdtemp(prefix="harness-trial-"))  # no process in its name (an older run's): kept
-    monkeypatch.setattr(forwarder, "_swept", False)
+    forwarder._sweep.cache_clear()
     with ThreadPoolExecutor(32) as pool:
         bridges = list(pool.map(lambda _: forwarder.SocketBridge(None, "127.0.0.1", 9), range(64)))
     try:
         assert not stale.exists() and unnamed.exists()
         assert all((b.folder / "proxy.sock").exists() for b in bridges)
         assert all(b.folder.name.startswith(f"harness-trial-{os.getpid()}-") for b in bridges)
-        monkeypatch.setattr(forwarder, "_swept", False)
+        forwarder._sweep.cache_clear()
         forwarder._sweep()  # this process is alive: nothing of its own is touched
         assert all(b.folder.exists() for b in bridges)
     finally:
