@@ -132,8 +132,9 @@ def check(record, calls: int, keys: dict[str, str], latencies: list[float], tria
 
 
 def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
-    """Keep args.rollouts in flight (groups of args.group) until args.minutes pass, or one wave without it."""
-    totals = {"lost": 0, "duplicated": 0, "mixed": 0, "failed": 0, "rollouts": 0}
+    """Keep args.rollouts in flight (groups of args.group) until args.minutes pass, or one wave without it.
+    totals["steady"]: when the first group was collected (from then on rollouts end as others start)."""
+    totals = {"lost": 0, "duplicated": 0, "mixed": 0, "failed": 0, "rollouts": 0, "steady": 0.0}
     keys: dict[str, str] = {}
     latencies: list[float] = []
     groups = args.rollouts // args.group
@@ -143,6 +144,7 @@ def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
             pool.launch(tasks[g % len(tasks)], args.group, f"g{g:05d}")
         launched = groups
         for group in pool.as_completed():
+            totals["steady"] = totals["steady"] or time.time()
             for record in group.records:
                 for name, n in check(record, args.calls, keys, latencies, out / "trials", args.generation_s).items():
                     totals[name] += n
@@ -168,9 +170,13 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
     samples = sampler.samples
     peak = {part: max(s["rss"][part] for s in samples) / 2 ** 20 for part in samples[0]["rss"]}  # PSS, MB
     lat = sorted(latencies) or [float("nan")]
-    full = [s for s in samples if s["bwrap"] >= 0.8 * max(x["bwrap"] for x in samples)] or samples
-    first = [s for s in full if s["t"] - full[0]["t"] < 60]
-    last = [s for s in full if full[-1]["t"] - s["t"] < 60]
+    # Growth from the first minute of the steady state (the first wave has ended: rollouts finish as others
+    # start, traces are fetched and verified) to the last minute of it. Before that the first wave is only
+    # growing its conversations and nothing has ended: a first minute taken there counts the ramp as growth.
+    top, since = max(x["bwrap"] for x in samples), totals.pop("steady")
+    steady = [s for s in samples if s["t"] >= since and s["bwrap"] >= 0.8 * top] or samples
+    first = [s for s in steady if s["t"] - steady[0]["t"] < 60]
+    last = [s for s in steady if steady[-1]["t"] - s["t"] < 60]
     total = lambda ss: statistics.mean(sum(s["rss"].values()) for s in ss) / 2 ** 20  # noqa: E731
     n = max(1, totals["rollouts"])
     result = {
@@ -185,6 +191,11 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
     result["memory_growth"] = result["pss_last_minute_mb"] / result["pss_first_minute_mb"] - 1
     part = lambda ss, name: statistics.mean(s["rss"][name] for s in ss)  # noqa: E731
     result["memory_growth_by_part"] = {name: part(last, name) / part(first, name) - 1 for name in samples[0]["rss"]}
+    minutes = {}  # the whole run, ramp included: PSS by part, each minute's mean (MB)
+    for s in samples:
+        minutes.setdefault(int((s["t"] - samples[0]["t"]) // 60), []).append(s)
+    result["pss_by_minute_mb"] = {m: {name: round(part(ss, name) / 2 ** 20) for name in ss[0]["rss"]}
+                                  for m, ss in minutes.items()}
     return result
 
 

@@ -38,12 +38,15 @@ class ProxyClient:
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
     def _call(self, method: str, path: str, **kwargs) -> dict:
+        return fastjson.loads(self._body(method, path, **kwargs))  # a trace carries every token id of its rollout
+
+    def _body(self, method: str, path: str, **kwargs) -> bytes:
         response = self.http.request(method, path, **kwargs)
         if response.status_code == 409 and path.endswith("/trace"):
             raise CaptureNotTrainable(response.json().get("reason", response.text))
         if not response.is_success:
             raise ProxyError(f"proxy {method} {path} -> HTTP {response.status_code}: {response.text[:500]}")
-        return fastjson.loads(response.content)  # a trace carries every token id of its rollout
+        return response.content
 
     def create_session(self, **settings) -> dict:
         """settings: id, upstream, model, policy{training,temperature,max_tokens_cap}, max_model_calls,
@@ -55,6 +58,11 @@ class ProxyClient:
 
     def trace(self, session_id: str) -> dict:
         return self._call("GET", f"/sessions/{session_id}/trace")
+
+    def trace_json(self, session_id: str) -> bytes:
+        """The trace as the proxy sent it, for a model to validate straight from JSON (no dict in between: a
+        rollout's trace at 200k tokens peaks at 15 MB that way, 43 MB through a dict)."""
+        return self._body("GET", f"/sessions/{session_id}/trace")
 
     def rollout(self, session_id: str) -> dict:
         return self._call("GET", f"/sessions/{session_id}/rollout")

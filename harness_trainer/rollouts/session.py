@@ -123,7 +123,7 @@ def sampling_policy(sampling: SamplingPolicy | dict | None) -> SamplingPolicy:
     return sampling if isinstance(sampling, SamplingPolicy) else SamplingPolicy.from_dict(sampling)
 
 
-def _truncation(session: RolloutSession, stops: list[str], trace) -> str:
+def _truncation(session: RolloutSession, stops: list[str], wire: dict | None) -> str:
     """Why a limit ended the rollout before the agent did (mask_truncated_completions leaves it out of the loss)."""
     if session.end_reason:  # a white-box episode's limits
         return session.end_reason
@@ -131,8 +131,8 @@ def _truncation(session: RolloutSession, stops: list[str], trace) -> str:
         return f"time limit ({session.timeout_s:.0f} s)"
     if stops:  # the proxy's clean stops: the model-call budget, the context length
         return "; ".join(stops)
-    last = trace.turns[-1] if trace and trace.turns else None
-    choices = ((last.response or {}).get("choices") or [{}]) if last is not None else [{}]
+    last = wire["turns"][-1] if wire and wire["turns"] else None
+    choices = ((last.get("response") or {}).get("choices") or [{}]) if last is not None else [{}]
     return "its last answer hit the token cap" if choices[0].get("finish_reason") == "length" else ""
 
 
@@ -163,9 +163,9 @@ class CapturedSession:
         CaptureContractError when what was captured breaks the contract."""
         if self.capture is None:
             raise ProxyError(self.error or "no capture session")
-        wire = self.factory.proxy.trace(self.capture["id"])
+        body = self.factory.proxy.trace_json(self.capture["id"])
         try:
-            return TrainingTrace.model_validate(wire)
+            return TrainingTrace.model_validate_json(body)
         except ValueError as exc:
             raise CaptureContractError(f"rollout {self.episode_id} ({self.task.name}): the captured trace breaks "
                                        f"the TrainingTrace contract: {exc}") from None
@@ -348,10 +348,10 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         if session.cancelled:
             return cancelled_record(task.name, session.episode_id, agent_exit=exit_code,
                                     seconds=time.perf_counter() - started)
-        trace, reason = None, session.error or ""
+        wire, reason = None, session.error or ""
         if not session.error:
-            try:
-                trace = session.fetch_training_trace()
+            try:  # the wire form only: a validated model held through the verifier doubles a rollout's memory
+                wire = session.fetch_training_trace().model_dump(mode="json")
             except CaptureNotTrainable as exc:
                 reason = f"nothing trainable was captured: {exc}"
             except ProxyError as exc:
@@ -365,7 +365,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
             reason = _exit_reason(exit_code)
         reason = reason or session.end_reason  # a white-box episode cut by its limits
-        truncated = _truncation(session, stops, trace)
+        truncated = _truncation(session, stops, wire)
         verified = session.verify(session.report.completion)
         calls = session.rollout_calls()
         if session.error or lost:
@@ -374,7 +374,6 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
             status, reason = "unscorable", reason or verified.metrics.get("verifier", "")
         else:
             status = "timeout" if session.timed_out else "ok"
-        wire = trace.model_dump(mode="json") if trace else None
         report = session.report
         outcome = HarnessRolloutOutcome(
             env_reward=verified.env_reward if status != "unscorable" else None, completion=report.completion,

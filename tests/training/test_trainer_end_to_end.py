@@ -126,10 +126,10 @@ def test_a_stopped_pool_writes_what_finished_and_stops_what_runs(proxy, tmp_path
 class TraceBreakingClient(ProxyClient):
     """A stub of the proxy's client for fault injection: a real proxy never exports a broken trace."""
 
-    def trace(self, session_id):
+    def trace_json(self, session_id):
         wire = super().trace(session_id)
         wire["turns"][0]["loss_mask"][0] = 1  # a trainable prompt token breaks the contract
-        return wire
+        return json.dumps(wire).encode()
 
 
 def test_malformed_capture_stops_the_run(fresh_engine, proxy, tiny_model_dir, tmp_path):
