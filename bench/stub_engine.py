@@ -64,14 +64,19 @@ async def respond(writer: asyncio.StreamWriter, path: str, body: bytes, generati
     text = "ok " + (markers[-1].decode() if markers else "?")
     stats["in_flight"] += 1
     stats["most_in_flight"] = max(stats["most_in_flight"], stats["in_flight"])
+    stream = re.search(rb'"stream"\s*:\s*true', body)
+    events = answer_events(text, body) if stream else []
     try:
+        if stream:  # as vLLM streams: the first event (with the prompt's ids) at once, the tokens as generated
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"%x\r\n%s\r\n" % (len(events[0]), events[0]))
+            await writer.drain()
         await asyncio.sleep(generation_s)
     finally:
         stats["in_flight"] -= 1
     stats["calls"] += 1
-    if re.search(rb'"stream"\s*:\s*true', body):
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for event in answer_events(text, body):
+    if stream:
+        for event in events[1:]:
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         writer.write(b"0\r\n\r\n")
     else:

@@ -32,7 +32,7 @@ from harness_trainer.proxy.control import ControlRoutes, json_response, session_
 from harness_trainer.proxy.dialects import dialect_for
 from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool
 from harness_trainer.proxy.relay import UPSTREAM_HEADER, StreamRelay
-from harness_trainer.proxy.session import Call, Session
+from harness_trainer.proxy.session import Call, Session, compact
 from harness_trainer.proxy.store import SessionStore
 from harness_trainer.serving.process import HEALTH_EVERY_S
 
@@ -101,8 +101,8 @@ class CallInFlight:
             if isinstance(chunk, dict) and self._alias(chunk):
                 raw = b"data: " + fastjson.dumps(chunk)
             if isinstance(chunk, dict):
-                if chunk.get("prompt_token_ids"):
-                    self.completion.prompt_token_ids = chunk["prompt_token_ids"]
+                if chunk.get("prompt_token_ids"):  # an array at once: the list would be held the whole answer long
+                    self.completion.prompt_token_ids = compact(chunk["prompt_token_ids"], "i")
                 for choice in chunk.get("choices") or []:
                     self.completion.add_choice_delta(choice)
                 self.completion.usage = chunk.get("usage") or self.completion.usage
@@ -132,7 +132,7 @@ class CallInFlight:
             return
         self.finished = True
         c = self.completion
-        self.store.record(self.session, Call(
+        self.store.record(self.session, call := Call(
             index=len(self.session.calls), dialect=self.dialect.name, stream=self.stream, model=self.sent["model"],
             policy_version=self.policy_version, n_tools=len(self.sent.get("tools") or []),
             request=self.session.share(self.sent),
@@ -141,6 +141,7 @@ class CallInFlight:
             per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
             problem=c.problem(), harness_session_id=self.harness_session_id,
             started=self.started, finished=time.time()))
+        c.prompt_token_ids = call.prompt_token_ids  # the flow outlives this: the call's array, not a list beside it
 
 
 class CaptureAddon:
