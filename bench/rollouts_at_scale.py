@@ -133,8 +133,9 @@ def check(record, calls: int, keys: dict[str, str], latencies: list[float], tria
 
 def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
     """Keep args.rollouts in flight (groups of args.group) until args.minutes pass, or one wave without it.
-    totals["steady"]: when the first group was collected (from then on rollouts end as others start)."""
-    totals = {"lost": 0, "duplicated": 0, "mixed": 0, "failed": 0, "rollouts": 0, "steady": 0.0}
+    totals["steady"]: when the first group was collected (from then on rollouts end as others start) and
+    totals["kept"]: when the last group was launched (after that the rollouts in flight only fall)."""
+    totals = {"lost": 0, "duplicated": 0, "mixed": 0, "failed": 0, "rollouts": 0, "steady": 0.0, "kept": 0.0}
     keys: dict[str, str] = {}
     latencies: list[float] = []
     groups = args.rollouts // args.group
@@ -152,7 +153,7 @@ def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
                 shutil.rmtree(out / "trials" / record.episode_id, ignore_errors=True)  # disk: a run keeps them
             if args.minutes and time.time() - started < args.minutes * 60:
                 pool.launch(tasks[launched % len(tasks)], args.group, f"g{launched:05d}")
-                launched += 1
+                launched, totals["kept"] = launched + 1, time.time()
         elapsed = time.time() - started
     return totals, latencies, elapsed
 
@@ -171,10 +172,11 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
     peak = {part: max(s["rss"][part] for s in samples) / 2 ** 20 for part in samples[0]["rss"]}  # PSS, MB
     lat = sorted(latencies) or [float("nan")]
     # Growth from the first minute of the steady state (the first wave has ended: rollouts finish as others
-    # start, traces are fetched and verified) to the last minute of it. Before that the first wave is only
-    # growing its conversations and nothing has ended: a first minute taken there counts the ramp as growth.
-    top, since = max(x["bwrap"] for x in samples), totals.pop("steady")
-    steady = [s for s in samples if s["t"] >= since and s["bwrap"] >= 0.8 * top] or samples
+    # start, traces are fetched and verified) to its last minute (the last launch; then the run winds down).
+    # Before that the first wave is only growing its conversations and nothing has ended: a first minute taken
+    # there counts the ramp as growth.
+    since, until = totals.pop("steady"), totals.pop("kept") or float("inf")
+    steady = [s for s in samples if since <= s["t"] <= until] or samples
     first = [s for s in steady if s["t"] - steady[0]["t"] < 60]
     last = [s for s in steady if steady[-1]["t"] - s["t"] < 60]
     total = lambda ss: statistics.mean(sum(s["rss"].values()) for s in ss) / 2 ** 20  # noqa: E731
