@@ -18,6 +18,8 @@ import signal
 import sys
 from pathlib import Path
 
+from harness_trainer.openfiles import raise_open_files_limit
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    raise_open_files_limit()  # two connections a call in flight: 1,024 is ~500 agents
     if not is_loopback(args.host) and not args.admin_key:
         print(f"harness-train proxy: refusing to bind {args.host} without an admin key: anyone who can reach "
               "it could read every session. Pass --admin-key (or HARNESS_PROXY_ADMIN_KEY), or bind 127.0.0.1.",

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from harness_trainer._exceptions import CaptureContractError
+from harness_trainer.openfiles import raise_open_files_limit
 from harness_trainer.rollouts.records import write_record
 from harness_trainer.rollouts.session import RolloutRecord, cancelled_record, run_rollout
 
@@ -71,6 +72,7 @@ class RolloutPool:
         """factory: the session factory (rollouts/session.py); out: where rollouts.jsonl and traces.jsonl go;
         score(records, task): a group's rewards, in place, before anything is written (None: the verifier's as
         they are); on_launch(n) and on_rollout(record, exception or a cancelled marker): progress hooks."""
+        raise_open_files_limit()  # each rollout in flight holds descriptors here: 1,024 is ~200 rollouts
         self.factory, self.out, self.score = factory, Path(out), score
         self.on_launch, self.on_rollout = on_launch, on_rollout
         self.executor = ThreadPoolExecutor(workers)
