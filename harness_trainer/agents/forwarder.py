@@ -156,15 +156,15 @@ def parse(argv: list[str]) -> dict:
         else:
             raise SystemExit(f"forwarder.py: unknown argument {word!r}\n{USAGE}")
     try:
-        return dict(args, port=int(args["port"]), watch=int(args["watch"]), socket=args["socket"] or None)
+        if not args["socket"]:
+            raise ValueError("no socket")
+        return dict(args, port=int(args["port"]), watch=int(args["watch"]))
     except (KeyError, ValueError):
         raise SystemExit(USAGE) from None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
-    if args["socket"] is None:
-        raise SystemExit(USAGE)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", args["port"]))
