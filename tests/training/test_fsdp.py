@@ -123,6 +123,7 @@ def test_a_failed_lead_releases_the_followers(tiny_model_dir, tmp_path):
     assert json.loads((tmp_path / "rank1.json").read_text()) == {"raised": False, "lead_failed": True}
 
 
+@pytest.mark.slow
 def test_one_set_of_services_under_a_launcher(fresh_engine, tiny_model_dir, tmp_path):
     """`harness-train` under torchrun with 2 CPU ranks and FSDP: rank 0 alone runs the proxy and rollouts (on a
     fixed --proxy-port: a second proxy would find it taken and fail the run), both ranks train, the weights are
