@@ -91,7 +91,8 @@ class Sampler:
             if process.pid in fixed:
                 continue
             try:
-                part = "forwarders" if "forwarder.py" in " ".join(process.cmdline()) else "jails"
+                program = " ".join(Path(word).name for word in process.cmdline()[:4])  # compiled or Python's
+                part = "forwarders" if "forwarder" in program else "jails"
                 rss[part] += pss(process)
                 jails += process.name() == "bwrap"
             except psutil.Error:

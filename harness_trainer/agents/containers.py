@@ -38,7 +38,6 @@ from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_p
 
 DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
 LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
-FORWARDER = Path(__file__).with_name("forwarder.py")
 
 
 @dataclass(frozen=True)
@@ -258,7 +257,7 @@ class DockerSandbox(TrialDirs):
     def _forward(self) -> None:
         """The proxy's port on the container's own loopback: a forwarder in its network namespace (entered from
         the host, so the image needs no Python) to a Unix socket the host splices to the proxy."""
-        from harness_trainer.agents.forwarder import SocketBridge
+        from harness_trainer.agents.forwarder import SocketBridge, in_trial
 
         host, port = self.proxy
         self.bridge = SocketBridge(None, host, port)
@@ -266,8 +265,8 @@ class DockerSandbox(TrialDirs):
         pid = _docker("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip()
         # It watches this process: if the run is SIGKILLed, the forwarder exits and the shell around it removes
         # the container (stop() does both otherwise).
-        forward = shlex.join(["nsenter", "-t", pid, "-n", sys.executable, "-S", "-I", str(FORWARDER), "--port",
-                              str(port), "--socket", str(socket_path), "--watch", str(os.getpid())])
+        forward = shlex.join(["nsenter", "-t", pid, "-n", *in_trial(), "--port", str(port),
+                              "--socket", str(socket_path), "--watch", str(os.getpid())])
         self.forwarder = subprocess.Popen(
             ["sh", "-c", f"{forward}; docker rm -f {self.name} >/dev/null 2>&1; rm -rf {self.bridge.folder}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -18,6 +18,7 @@ names is agents/sandboxes.py.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,6 @@ from harness_trainer._exceptions import SandboxError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SANDBOX_DIRS = ("app", "logs", "tests", "home", "tmp", "solution")
-FORWARDER = Path(__file__).with_name("forwarder.py")
 
 
 @dataclass
@@ -176,16 +176,16 @@ class LocalSandbox(TrialDirs):
         super().__init__(trial_dir)
         self.readonly = readonly if readonly is not None else agent_program_paths()
         self.limits = f"ulimit -f {max_file_mb * 1024}; ulimit -n {max_open_files}; ulimit -c 0"
-        self.proxy, self.bridge = proxy, None
+        self.proxy, self.bridge, self.forwarder = proxy, None, []
         self.execs = Execs()
 
     def start(self) -> None:
         super().start()
         if self.proxy:  # the jail's one road out: its loopback port -> this socket -> the proxy
-            from harness_trainer.agents.forwarder import SocketBridge
+            from harness_trainer.agents.forwarder import SocketBridge, in_trial
 
             self.bridge = SocketBridge(None, *self.proxy)
-            shutil.copy(FORWARDER, self.bridge.folder / "forwarder.py")
+            self.forwarder = in_trial()
 
     def _argv(self, command: str, env: dict[str, str]) -> list[str]:
         argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -203,9 +203,12 @@ class LocalSandbox(TrialDirs):
             argv += ["--ro-bind", str(path), str(path)]
         forward = ""
         if self.bridge is not None:
-            argv += ["--ro-bind", str(self.bridge.folder), "/run/harness"]
-            forward = (f"{Path(sys.base_prefix) / 'bin' / 'python3'} -S -I /run/harness/forwarder.py --port "
-                       f"{self.proxy[1]} --socket /run/harness/proxy.sock --watch $$ --background || exit 125; ")
+            # The program on a bind of its own: the package may lie under /tmp or /home, hidden by the trial's.
+            *run, program = self.forwarder
+            seen = f"/run/{Path(program).name}"
+            argv += ["--ro-bind", str(self.bridge.folder), "/run/harness", "--ro-bind", program, seen]
+            forward = (f"{shlex.join([*run, seen])} --port {self.proxy[1]} --socket /run/harness/proxy.sock "
+                       "--watch $$ --background || exit 125; ")
         argv += ["--clearenv", "--chdir", "/app"]
         for key, value in env.items():
             argv += ["--setenv", key, value]

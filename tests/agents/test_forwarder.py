@@ -1,0 +1,132 @@
+"""The in-trial half of the forwarder, both of it: forwarder.c compiled (what trials run where a C compiler is
+found) and forwarder.py under Python (where none is). Each relays bytes both ways with half-closes, serves
+connections side by side, listens before a --background call returns, exits once the process it watches is gone,
+and refuses bad arguments. A Unix socket server of the test's own stands for the host's bridge."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from harness_trainer.agents import forwarder
+from harness_trainer.serving.process import free_port
+
+HALVES = {"compiled": lambda: [forwarder.compiled()],
+          "python": lambda: [sys.executable, "-S", "-I", forwarder.__file__]}
+
+
+@pytest.fixture(params=sorted(HALVES))
+def half(request) -> list[str]:
+    command = HALVES[request.param]()
+    if command[0] is None:
+        pytest.fail("forwarder.c did not build here: trials would each start a Python forwarder")
+    return command
+
+
+class Upstream:
+    """The bridge's stand-in: each connection reads until the other side's half-close, then answers with what it
+    read, reversed, and closes (so both directions and both half-closes go through the forwarder)."""
+
+    def __init__(self, path: str):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(16)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _answer(conn: socket.socket):
+        with conn:
+            data = bytearray()
+            while chunk := conn.recv(65536):
+                data += chunk
+            conn.sendall(bytes(reversed(data)))
+
+
+def _roundtrip(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        answer = bytearray()
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return bytes(answer)
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    path = str(tmp_path / "proxy.sock")
+    server = Upstream(path)
+    yield path
+    server.listener.close()
+
+
+def test_it_relays_both_ways_side_by_side_and_exits_when_its_process_is_gone(half, upstream):
+    watched = subprocess.Popen(["sleep", "3600"])
+    port = free_port()
+    proc = subprocess.Popen([*half, "--port", str(port), "--socket", upstream, "--watch", str(watched.pid)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        payloads = [os.urandom(n) for n in (1, 65536, 3 * 65536 + 7, 4 << 20)]  # across the relay's 64 KB chunks
+        answers = [None] * len(payloads)
+
+        def call(i):
+            answers[i] = _roundtrip(port, payloads[i])
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(payloads))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert answers == [bytes(reversed(p)) for p in payloads]
+        watched.kill()
+        watched.wait()
+        assert proc.wait(timeout=60) == 0  # it noticed, within its one-second check (the bound only ends a hang)
+    finally:
+        watched.kill()
+        proc.kill()
+        proc.wait()
+
+
+def test_in_the_background_it_listens_before_the_call_returns(half, upstream):
+    port, watched = free_port(), subprocess.Popen(["sleep", "3600"])  # the background one ends with it
+    try:
+        done = subprocess.run([*half, "--port", str(port), "--socket", upstream, "--watch", str(watched.pid),
+                               "--background"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert _roundtrip(port, b"hello") == b"olleh"  # no wait: the port listened before the call returned
+    finally:
+        watched.kill()
+        watched.wait()
+
+
+@pytest.mark.parametrize("args", [[], ["--port", "80"], ["--port", "x", "--socket", "s", "--watch", "1"],
+                                  ["--port", "80", "--socket", "s", "--watch", "1", "--nope"]])
+def test_bad_arguments_are_refused_with_the_usage(half, args):
+    done = subprocess.run([*half, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "usage: forwarder" in done.stderr
+
+
+def test_without_a_compiler_trials_fall_back_to_the_python_half(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    monkeypatch.setenv("HARNESS_TRAINER_CACHE", str(tmp_path))
+    forwarder.compiled.cache_clear()
+    try:
+        command = forwarder.in_trial()
+    finally:
+        forwarder.compiled.cache_clear()
+    assert command[-1] == forwarder.__file__ and command[1:3] == ["-S", "-I"]
+    assert "did not build" in caplog.text and not list(tmp_path.rglob("forwarder-*"))
