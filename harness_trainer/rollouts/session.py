@@ -42,6 +42,7 @@ from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
+from harness_trainer.traces.files import share_token_ids
 
 
 @dataclass
@@ -332,13 +333,11 @@ def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:
     """A rollout the trainer stopped (or never started) because it could no longer finish in time: not verified,
     not trained, but written and counted."""
     return RolloutRecord(task=task, episode_id=episode_id, outcome=HarnessRolloutOutcome(None, [], [], 0, 0, {}, False),
-                         status="cancelled", reason="cancelled: it could no longer finish within max_staleness",
-                         **fields)
+                         status="cancelled", reason="cancelled: it could not finish within max_staleness", **fields)
 
 
-# Every rollout's trace is read, validated and converted on this one thread. A trace is ~10 MB of objects for a
-# moment; read on each rollout's own thread, glibc served it from that thread's arena and kept the arena's high
-# water: up to 8 arenas a core, each holding tens of MB it no longer used (a pool of 32 rollouts held ~1 GB).
+# Every trace is read, validated and converted on this one thread: read on each rollout's own, its ~10 MB of objects
+# came from that thread's glibc arena, which kept its high water (8 arenas a core; a pool of 32 held ~1 GB).
 TRACE_READER = ThreadPoolExecutor(1, thread_name_prefix="trace-reader")
 
 
@@ -357,8 +356,9 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
                                     seconds=time.perf_counter() - started)
         wire, reason = None, session.error or ""
         if not session.error:
-            try:  # the wire form only: a validated model held through the verifier doubles a rollout's memory
-                wire = TRACE_READER.submit(lambda: session.fetch_training_trace().model_dump(mode="json")).result()
+            try:  # the wire form only (a model held through the verifier doubles a rollout's memory), ids shared
+                wire = TRACE_READER.submit(lambda: share_token_ids(session.fetch_training_trace().model_dump(
+                    mode="json"))).result()
             except CaptureNotTrainable as exc:
                 reason = f"nothing trainable was captured: {exc}"
             except ProxyError as exc:
