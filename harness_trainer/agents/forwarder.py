@@ -107,11 +107,18 @@ def in_trial() -> list[str]:
     """The command that runs the in-trial half, its program last (a jail binds that file where it can see it):
     the compiled half where it could be built, else this file under the host's own Python (the one a jail sees:
     a virtual environment's may lie outside it)."""
-    binary = compiled()
+    with _BUILD:  # 512 trials starting at once: one build, the rest wait for it
+        binary = compiled()
+        if binary and not os.access(binary, os.X_OK):  # the cache was cleared under a running process
+            compiled.cache_clear()
+            binary = compiled()
     return [binary] if binary else [os.path.join(sys.base_prefix, "bin", "python3"), "-S", "-I", __file__]
 
 
-@functools.cache  # once per process; two first calls at once would both compile, into names of their own
+_BUILD = threading.Lock()
+
+
+@functools.cache  # once per process (and per version across processes: two at once build into names of their own)
 def compiled() -> str | None:
     """forwarder.c built into the cache (one binary per version of the source, so an upgrade rebuilds it), or
     None where no C compiler is found or the build fails (then the Python half serves: slower to start, larger)."""
