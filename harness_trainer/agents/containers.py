@@ -197,6 +197,12 @@ def image_config(image: str) -> dict:
     return json.loads(answer.stdout or "null") or {}
 
 
+# The container's init: it idles, and reaps what dies under it. A process whose parent dies is handed to the init,
+# so the ones each exec kills would otherwise stay as zombies for the container's life (`sleep infinity` never
+# waits); the shell's `wait` reaps any child. A kill -9 -1 inside reaches its sleep, never itself: it sleeps again.
+REAPER = "while :; do sleep 2147483647 & wait; done"
+
+
 class DockerSandbox(TrialDirs):
     """One container per trial from the task's image: its WORKDIR, ENV and USER honoured, cpus and memory
     applied, no network or the bridge's (allow_internet), the trial's /logs and /home bind-mounted, the agent
@@ -219,11 +225,13 @@ class DockerSandbox(TrialDirs):
 
     def start(self) -> None:
         super().start()
-        for name in self.MOUNTED:
+        for name in ("logs/agent", "logs/verifier"):  # made on the host: no exec in the container to make them
+            (self.trial / name).mkdir(parents=True, exist_ok=True)
+        for name in (*self.MOUNTED, "logs/agent", "logs/verifier"):
             (self.trial / name).chmod(0o777)  # the image's USER may not be root
         spec, argv = self.spec, ["docker", "run", "-d", "--name", self.name, "--label", f"{LABEL}={os.getpid()}",
                                  "--network", "bridge" if self.spec.allow_internet else "none",
-                                 "--entrypoint", "sleep", "-w", self.workdir]
+                                 "--entrypoint", "sh", "-w", self.workdir]
         if spec.cpus:
             argv += ["--cpus", str(spec.cpus)]
         if spec.memory_mb:
@@ -234,11 +242,10 @@ class DockerSandbox(TrialDirs):
             argv += ["-v", f"{self.trial / name}:/{name}"]
         for path in agent_program_paths():
             argv += ["-v", f"{path}:{path}:ro"]
-        result = subprocess.run(argv + [self.image, "infinity"], capture_output=True, text=True)
+        result = subprocess.run(argv + [self.image, "-c", REAPER], capture_output=True, text=True)
         if result.returncode != 0:
             raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
-        self._root(f"mkdir -p {self.workdir} /logs/agent /logs/verifier /tests && chmod 777 /logs/agent /logs/verifier")
-        if self.user not in ("root", "0"):
+        if self.user not in ("root", "0"):  # (the workdir: `docker run -w` makes it)
             self._traversable(agent_program_paths())
         if self.proxy:
             self._forward()
@@ -294,8 +301,16 @@ class DockerSandbox(TrialDirs):
         argv = ["docker", "exec", "-w", self.workdir]
         for key, value in {"HOME": "/home", **(env or {})}.items():  # the image's PATH and ENV stay its own
             argv += ["-e", f"{key}={value}"]
-        result = self.execs.run(argv + [self.name, "bash", "-c", command], timeout_s)
-        self._root("kill -9 -1 2>/dev/null; true")  # what the CLI's death (timeout, cancel) left running inside
+        # Nothing the command started outlives it. Run as root (most task images), it kills the rest itself on
+        # its way out (kill -1: every process but the container's init and the caller), so the exec is one docker
+        # call; a timeout or a cancel kills the CLI, not what runs inside, and an image's other USER cannot kill
+        # what it started through sudo: then a root exec does it.
+        inline = self.user in ("root", "0")
+        wrapped = ["bash", "-c", 'bash -c "$0"; rc=$?; kill -9 -1 2>/dev/null; exit $rc', command] if inline \
+            else ["bash", "-c", command]
+        result = self.execs.run(argv + [self.name, *wrapped], timeout_s)
+        if not inline or result.timed_out or self.execs.cancelled or result.returncode < 0:
+            self._root("kill -9 -1 2>/dev/null; true")
         return result
 
     def cancel(self) -> None:
@@ -303,12 +318,36 @@ class DockerSandbox(TrialDirs):
         self.execs.cancel()
 
     def upload(self, src: Path, dst: str) -> None:
-        self._root(f"mkdir -p '{dst}'" if Path(src).is_dir() else f"mkdir -p '{Path(dst).parent}'")
-        source = f"{src}/." if Path(src).is_dir() else str(src)
-        copied = _docker("cp", source, f"{self.name}:{dst}")
-        if copied.returncode != 0:
-            raise SandboxError(f"could not copy {src} into {self.name}:{dst}: {copied.stderr.strip()[:300]}")
-        self._root(f"chmod -R a+rwX '{dst}'")  # docker cp leaves root's files; the image's USER may not be root
+        """One docker call: the files as a tar stream into the container's `tar` (docker cp and the mkdir and chmod
+        around it were three). An image without tar gets the three."""
+        if self._untar(Path(src), dst) == 127:
+            self._root(f"mkdir -p '{dst}'" if Path(src).is_dir() else f"mkdir -p '{Path(dst).parent}'")
+            source = f"{src}/." if Path(src).is_dir() else str(src)
+            copied = _docker("cp", source, f"{self.name}:{dst}")
+            if copied.returncode != 0:
+                raise SandboxError(f"could not copy {src} into {self.name}:{dst}: {copied.stderr.strip()[:300]}")
+            self._root(f"chmod -R a+rwX '{dst}'")  # docker cp leaves root's files; the image's USER may not be root
+
+    def _untar(self, src: Path, dst: str) -> int:
+        """`src` (a folder's contents, or a file named as `dst`) unpacked at `dst` as root's files, then opened to
+        every user as docker cp's road does. Returns tar's status: 127 when the image has no tar."""
+        import tarfile
+
+        folder, name = (dst, ".") if src.is_dir() else (str(Path(dst).parent), Path(dst).name)
+        script = (f"command -v tar >/dev/null || exit 127; mkdir -p {shlex.quote(folder)} && tar -xf - -C "
+                  f"{shlex.quote(folder)} && chmod -R a+rwX {shlex.quote(dst)}")
+        as_root = lambda info: info.replace(uid=0, gid=0, uname="root", gname="root", deep=False)  # noqa: E731
+        process = subprocess.Popen(["docker", "exec", "-i", "-u", "root", self.name, "sh", "-c", script],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            with tarfile.open(fileobj=process.stdin, mode="w|") as archive:
+                archive.add(src, arcname=name, filter=as_root)
+        except BrokenPipeError:  # tar is missing or failed: its status says which
+            pass
+        _, err = process.communicate(timeout=600)  # closes its input: tar sees the end
+        if process.returncode not in (0, 127):
+            raise SandboxError(f"could not copy {src} into {self.name}:{dst}: {err.decode(errors='replace')[:300]}")
+        return process.returncode
 
     def download(self, src: str, dst: Path) -> None:
         copied = _docker("cp", f"{self.name}:{src}", str(dst))

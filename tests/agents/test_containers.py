@@ -248,3 +248,30 @@ def test_two_training_steps_on_the_corpus_in_containers(docker, fresh_engine, tm
     assert {r["task"] for r in rows} & {"build", "image"}, "no rollout ran in a container"
     assert subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL}"], capture_output=True,
                           text=True).stdout.strip() == ""
+
+
+def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_nothing_running(docker, tmp_path):
+    """Uploads go as a tar stream into the container's tar (a file and a folder, owned by root and open to every
+    user, as docker cp left them); an image without tar gets docker cp. A normal exec leaves nothing running:
+    run as root, it kills what it started on its way out."""
+    src = tmp_path / "src"
+    (src / "deep" / "er").mkdir(parents=True)
+    (src / "deep" / "er" / "f.txt").write_text("folder\n")
+    (tmp_path / "one.txt").write_text("file\n")
+    box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, load_task(image_task(tmp_path)).environment)
+    box.start()
+    try:
+        box.upload(src, "/tests")
+        box.upload(tmp_path / "one.txt", "/solution/sub/one.txt")
+        listing = box.exec("cat /tests/deep/er/f.txt /solution/sub/one.txt; stat -c '%U %A' /tests/deep/er/f.txt",
+                           60).stdout.split("\n")
+        assert listing[:3] == ["folder", "file", "root -rw-rw-rw-"]
+        assert box.exec("sleep 3600 & echo started", 60).stdout == "started\n"
+        sleeps = box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip()
+        assert sleeps == "1"  # the container's own init; the agent's background sleep is gone
+        box._root("rm -f \"$(command -v tar)\"")
+        box.upload(tmp_path / "one.txt", "/tests/two.txt")
+        assert box.exec("cat /tests/two.txt", 60).stdout == "file\n"
+    finally:
+        box.stop()
+    assert trial_containers() == []
