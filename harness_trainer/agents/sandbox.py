@@ -94,14 +94,21 @@ class TrialDirs:
             shutil.copy2(src, target)
 
     def download(self, src: str, dst: Path) -> None:
+        """Read on the host, so a link the trial made (to the host's /etc/shadow, say) must lead nowhere: one that
+        leaves the trial is refused, and the links inside a folder are left out."""
         source = self.host_path(src)
+        if not source.resolve().is_relative_to(self.trial):
+            raise SandboxError(f"{src} is a link out of the trial: not read")
         if source.is_dir():
-            shutil.copytree(source, dst, dirs_exist_ok=True)
+            links = lambda folder, names: [n for n in names if os.path.islink(os.path.join(folder, n))]  # noqa: E731
+            shutil.copytree(source, dst, dirs_exist_ok=True, ignore=links)
         else:
             shutil.copy2(source, dst)
 
     def clear(self, inside: str) -> None:
         path = self.host_path(inside)
+        if path.is_symlink():  # the trial made it a link: the link goes, not what it points to
+            path.unlink()
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, exist_ok=True)
 

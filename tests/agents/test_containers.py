@@ -253,7 +253,7 @@ def test_two_training_steps_on_the_corpus_in_containers(docker, fresh_engine, tm
 def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_nothing_running(docker, tmp_path):
     """Uploads go as a tar stream into the container's tar (a file and a folder, owned by root and open to every
     user, as docker cp left them); an image without tar gets docker cp. A normal exec leaves nothing running:
-    run as root, it kills what it started on its way out."""
+    run as root, it kills what it started on its way out. /logs is read and cleared on the host, links refused."""
     src = tmp_path / "src"
     (src / "deep" / "er").mkdir(parents=True)
     (src / "deep" / "er" / "f.txt").write_text("folder\n")
@@ -269,6 +269,14 @@ def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_
         assert box.exec("sleep 3600 & echo started", 60).stdout == "started\n"
         sleeps = box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip()
         assert sleeps == "1"  # the container's own init; the agent's background sleep is gone
+        # /logs is the trial's own folder, read on the host: a link the agent makes there to a host file is refused
+        box.exec("echo 1 > /logs/verifier/reward.txt; ln -s /etc/hostname /logs/agent/leak", 60)
+        box.download("/logs/verifier/reward.txt", tmp_path / "reward.txt")
+        assert (tmp_path / "reward.txt").read_text() == "1\n"
+        with pytest.raises(SandboxError, match="link out of the trial"):
+            box.download("/logs/agent/leak", tmp_path / "leak")
+        box.clear("/logs/verifier")
+        assert box.exec("ls -A /logs/verifier; touch /logs/verifier/new && echo writable", 60).stdout == "writable\n"
         box._root("rm -f \"$(command -v tar)\"")
         box.upload(tmp_path / "one.txt", "/tests/two.txt")
         assert box.exec("cat /tests/two.txt", 60).stdout == "file\n"

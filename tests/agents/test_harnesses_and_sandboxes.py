@@ -406,3 +406,29 @@ def test_bridges_made_at_once_keep_their_folders_and_only_a_dead_runs_are_swept(
         for bridge in bridges:
             bridge.close()
         unnamed.rmdir()
+
+
+def test_what_a_trial_links_out_of_itself_is_never_read_or_cleared_on_the_host(tmp_path):
+    """The trial's files are read on the host: a link the agent made to a host file is refused, links inside a
+    folder are left out, and clearing a folder the agent turned into a link removes the link, not its target."""
+    from harness_trainer.agents.sandbox import TrialDirs
+
+    secret, keep = tmp_path / "secret.txt", tmp_path / "keep"
+    secret.write_text("host only\n")
+    keep.mkdir()
+    (keep / "k.txt").write_text("keep\n")
+    trial = TrialDirs(tmp_path / "trial")
+    trial.start()
+    logs = tmp_path / "trial" / "logs"
+    (logs / "agent").mkdir()
+    (logs / "agent" / "own.txt").write_text("own\n")
+    (logs / "agent" / "leak.txt").symlink_to(secret)
+    (logs / "agent" / "inside.txt").symlink_to("own.txt")  # within the trial: still a link, still left out
+    with pytest.raises(SandboxError, match="link out of the trial"):
+        trial.download("/logs/agent/leak.txt", tmp_path / "got.txt")
+    trial.download("/logs/agent", tmp_path / "copied")
+    assert sorted(p.name for p in (tmp_path / "copied").iterdir()) == ["own.txt"]
+    (logs / "verifier").symlink_to(keep)
+    trial.clear("/logs/verifier")
+    assert (logs / "verifier").is_dir() and not (logs / "verifier").is_symlink()
+    assert (keep / "k.txt").read_text() == "keep\n" and secret.read_text() == "host only\n"
