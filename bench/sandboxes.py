@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harbor_corpus import build_task  # noqa: E402
 
-from harness_trainer.agents.containers import DockerSandbox, _cached_digest, context_digest, image_for  # noqa: E402
+from harness_trainer.agents.containers import DockerSandbox  # noqa: E402
 from harness_trainer.agents.forwarder import SocketBridge  # noqa: E402
+from harness_trainer.agents.images import _cached_digest, context_digest, image_for  # noqa: E402
 from harness_trainer.agents.sandbox import LocalSandbox  # noqa: E402
 from harness_trainer.rollouts.tasks import load_task  # noqa: E402
 

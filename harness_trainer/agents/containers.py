@@ -1,10 +1,4 @@
-"""Task environments as Harbor builds them, in Docker: one image per task (its environment/ folder as the build
-context of its Dockerfile, or its docker_image), one container per trial.
-
-Images are tagged by the digest of their build context (`harness-task/NAME:DIGEST`), so a task is built once
-and every rollout and later run reuses it until a file of its environment/ changes. `prepare_images` builds
-every task's image before the first rollout: a build that fails is one error naming each failed task and its
-build log, never a rollout that scores 0 in an environment that was not there.
+"""A container per trial, from the task's image (agents/images.py builds and finds it).
 
 Why Docker's CLI rather than Harbor's own environment classes: harbor needs Python 3.12 (the trainer is
 3.11), so reusing them means a bridge process per trial (`--sandbox harbor:docker` still offers that); driving
@@ -22,180 +16,18 @@ mounts (/root is 0700 in Debian's images) are given the search bit in the contai
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import shlex
+import shutil
 import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
+import uuid
 from pathlib import Path
 
-from harness_trainer._exceptions import BuildError, SandboxError
+from harness_trainer._exceptions import SandboxError
+from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config
 from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
-
-DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
-LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    """[environment] of a task, as the container sandbox applies it."""
-    context: Path | None = None  # environment/ when it holds a Dockerfile: the build context
-    image: str | None = None  # docker_image: used as it is
-    workdir: str | None = None  # where commands run (default: the image's WORKDIR)
-    cpus: float | None = None
-    memory_mb: int | None = None
-    storage_mb: int | None = None  # not enforced by overlay2 without quotas: warned
-    build_timeout_s: float = 600.0
-    allow_internet: bool = True  # true: the container's bridge (never the host's loopback); false: no network
-    env: dict = field(default_factory=dict)  # set in the container (templates already resolved)
-    healthcheck: dict | None = None  # command, interval_sec, timeout_sec, retries, start_period_sec
-
-    @property
-    def needs_container(self) -> bool:
-        return self.context is not None or self.image is not None
-
-
-def docker_ready() -> None:
-    """The docker CLI and a daemon, or SandboxError saying what to do."""
-    try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              text=True, timeout=60)
-    except FileNotFoundError:
-        raise SandboxError("container tasks need Docker: `apt-get install docker.io` (make setup does this as root), "
-                           "then start its daemon (`dockerd &`)") from None
-    if info.returncode != 0:
-        raise SandboxError("container tasks need a running Docker daemon (`docker info` fails: "
-                           f"{(info.stderr or info.stdout).strip()[:200]}): start it (`dockerd &` as root; make "
-                           "setup does), or run only tasks without an environment image under --sandbox local")
-
-
-def _docker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout_s)
-
-
-def image_exists(image: str) -> bool:
-    return _docker("image", "inspect", "--format", "{{.Id}}", image).returncode == 0
-
-
-def context_digest(context: Path) -> str:
-    """sha256 over every file of the build context: its path, whether it is executable, its bytes."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in context.rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(context).as_posix()}\0{os.access(path, os.X_OK)}\0".encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-_LOCK = threading.Lock()
-_BUILDING: dict[str, threading.Lock] = {}  # per tag: concurrent rollouts of one task wait for one build
-_DIGESTS: dict[Path, tuple[tuple, str]] = {}
-
-
-def _cached_digest(context: Path) -> str:
-    """context_digest, read again only when a file's size, time or mode changed: every trial asks for its image,
-    and a context can hold hundreds of megabytes of data."""
-    files = sorted(p for p in context.rglob("*") if p.is_file())
-    signature = tuple((str(p), st.st_size, st.st_mtime_ns, st.st_mode) for p in files for st in (p.stat(),))
-    with _LOCK:
-        known = _DIGESTS.get(context)
-    if known and known[0] == signature:
-        return known[1]
-    digest = context_digest(context)
-    with _LOCK:
-        _DIGESTS[context] = (signature, digest)
-    return digest
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-.")[:100] or "task"
-
-
-
-def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
-    """The image a task's trials run: built (or reused) from its Dockerfile, its docker_image, or the default
-    image for a task that has neither. BuildError when it cannot be had."""
-    if spec.context is not None:
-        tag = f"harness-task/{_slug(name)}:{_cached_digest(spec.context)[:16]}"
-        with _LOCK:
-            lock = _BUILDING.setdefault(tag, threading.Lock())
-        with lock:  # concurrent rollouts of one task wait for one build
-            if not image_exists(tag):
-                _build(name, spec, tag, log_dir)
-        return tag
-    image = spec.image or DEFAULT_IMAGE
-    if not image_exists(image):
-        try:
-            pulled = _docker("pull", image, timeout_s=spec.build_timeout_s)
-            error = "" if pulled.returncode == 0 else (pulled.stderr or pulled.stdout).strip()[-300:]
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {spec.build_timeout_s:.0f} s"
-        if error:
-            what = "its docker_image" if spec.image else f"the default image for tasks without one ({DEFAULT_IMAGE})"
-            raise BuildError(f"task {name}: {what} {image} is not on this machine and could not be pulled: {error}. "
-                             f"Build or load it (`docker load`, `docker tag`), or give the task an environment/"
-                             "Dockerfile")
-    return image
-
-
-def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> None:
-    log = (log_dir or Path.cwd()) / f"build-{_slug(name)}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(log, "w") as out:
-        try:
-            built = subprocess.run(["docker", "build", "--force-rm", "--label", "harness-trainer.task=" + name,
-                                    "-t", tag, str(spec.context)], stdout=out, stderr=subprocess.STDOUT,
-                                   timeout=spec.build_timeout_s)
-            failure = f"docker build exited {built.returncode}" if built.returncode else ""
-        except subprocess.TimeoutExpired:
-            failure = f"the build ran past build_timeout_sec ({spec.build_timeout_s:.0f} s)"
-    if failure:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
-        raise BuildError(f"task {name}: its environment/Dockerfile did not build ({failure}); the build log is {log}:"
-                         f"\n{tail}")
-    print(f"built the image of task {name} ({tag}) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-
-
-def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None) -> dict[str, str]:
-    """Every task's image, before any rollout: {task name: image}. One BuildError lists every task that failed.
-    Also removes trial containers left by runs that no longer exist (a run killed with SIGKILL)."""
-    docker_ready()
-    remove_orphans()
-    images, failed = {}, []
-    for name, spec in tasks.items():
-        try:
-            images[name] = image_for(name, spec, log_dir)
-        except BuildError as exc:
-            failed.append(str(exc))
-    if failed:
-        raise BuildError(f"{len(failed)} of {len(tasks)} task environments could not be had; no rollout was "
-                         "started:\n" + "\n".join(failed))
-    return images
-
-
-def remove_orphans() -> list[str]:
-    """Remove trial containers whose run's process is gone; returns their names."""
-    listed = _docker("ps", "-a", "--filter", f"label={LABEL}", "--format", '{{.Names}} {{.Label "' + LABEL + '"}}')
-    gone = []
-    for line in listed.stdout.splitlines():
-        container, _, owner = line.partition(" ")
-        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            _docker("rm", "-f", container)
-            gone.append(container)
-    return gone
-
-
-def image_config(image: str) -> dict:
-    """The image's Config (WorkingDir, Env, User, ...); {} when it cannot be read."""
-    answer = _docker("image", "inspect", "--format", "{{json .Config}}", image)
-    if answer.returncode != 0:
-        return {}
-    return json.loads(answer.stdout or "null") or {}
-
+from harness_trainer.agents.spares import SPARES
 
 # The container's init: it idles, and reaps what dies under it. A process whose parent dies is handed to the init,
 # so the ones each exec kills would otherwise stay as zombies for the container's life (`sleep infinity` never
@@ -220,11 +52,38 @@ class DockerSandbox(TrialDirs):
         self.workdir = self.spec.workdir or ((config.get("WorkingDir") or "/") if self.spec.needs_container else "/app")
         self.user = (config.get("User") or "root").split(":")[0]
         self.name = f"harness-trial-{os.getpid()}-{hashlib.sha1(str(self.trial).encode()).hexdigest()[:10]}"
-        self.bridge = self.forwarder = None
-        self.execs = Execs()
+        self.bridge = self.forwarder = self.kind = self.origin = None
+        self.spare, self.execs = False, Execs()
 
     def start(self) -> None:
+        """A spare if one waits (agents/spares.py), else a container of its own; then a spare for the next."""
         super().start()
+        if self.spare:
+            return self._run()
+        kind = (self.image, repr(self.spec), self.proxy, self.trial.parent)
+        spare = SPARES.take(kind)
+        self.kind = kind
+        if spare is None:
+            self._run()
+        else:
+            self._adopt(spare)
+        SPARES.refill(kind, self._start_spare)
+
+    def _start_spare(self) -> DockerSandbox:
+        box = DockerSandbox(self.trial.parent / ".spares" / uuid.uuid4().hex[:12], self.image, self.spec, self.proxy)
+        box.spare = True
+        box.start()
+        return box
+
+    def _adopt(self, spare: DockerSandbox) -> None:
+        """The spare's container becomes this trial's: its mounted folders move into the trial's (a bind mount
+        follows its folder, renamed on the same file system), its forwarder and name come along."""
+        for name in self.MOUNTED:
+            shutil.rmtree(self.trial / name)  # made empty a moment ago
+            os.rename(spare.trial / name, self.trial / name)
+        self.name, self.bridge, self.forwarder, self.origin = spare.name, spare.bridge, spare.forwarder, spare.trial
+
+    def _run(self) -> None:
         for name in ("logs/agent", "logs/verifier"):  # made on the host: no exec in the container to make them
             (self.trial / name).mkdir(parents=True, exist_ok=True)
         for name in (*self.MOUNTED, "logs/agent", "logs/verifier"):
@@ -269,7 +128,7 @@ class DockerSandbox(TrialDirs):
         host, port = self.proxy
         self.bridge = SocketBridge(None, host, port)
         socket_path = self.bridge.path
-        pid = _docker("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip()
+        pid = docker_cli("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip()
         # It watches this process: if the run is SIGKILLed, the forwarder exits and the shell around it removes
         # the container (stop() does both otherwise).
         forward = shlex.join(["nsenter", "-t", pid, "-n", *in_trial(), "--port", str(port),
@@ -323,7 +182,7 @@ class DockerSandbox(TrialDirs):
         if self._untar(Path(src), dst) == 127:
             self._root(f"mkdir -p '{dst}'" if Path(src).is_dir() else f"mkdir -p '{Path(dst).parent}'")
             source = f"{src}/." if Path(src).is_dir() else str(src)
-            copied = _docker("cp", source, f"{self.name}:{dst}")
+            copied = docker_cli("cp", source, f"{self.name}:{dst}")
             if copied.returncode != 0:
                 raise SandboxError(f"could not copy {src} into {self.name}:{dst}: {copied.stderr.strip()[:300]}")
             self._root(f"chmod -R a+rwX '{dst}'")  # docker cp leaves root's files; the image's USER may not be root
@@ -360,7 +219,7 @@ class DockerSandbox(TrialDirs):
                 return super().download(src, dst)
             except PermissionError:  # a file the container's root kept to itself, and this process is not root
                 pass
-        copied = _docker("cp", f"{self.name}:{src}", str(dst))
+        copied = docker_cli("cp", f"{self.name}:{src}", str(dst))
         if copied.returncode != 0:
             raise FileNotFoundError(f"{src} in {self.name}: {copied.stderr.strip()[:200]}")
 
@@ -374,9 +233,16 @@ class DockerSandbox(TrialDirs):
         self._root(f"rm -rf '{inside}' && mkdir -p '{inside}' && chmod 777 '{inside}'")
 
     def stop(self) -> None:
+        if self.kind is not None:
+            SPARES.ended(self.kind)
+            self.kind = None
         if self.forwarder is not None:
             kill_group(self.forwarder)
             self.forwarder.wait()
         if self.bridge is not None:
             self.bridge.close()
-        _docker("rm", "-f", self.name)
+        docker_cli("rm", "-f", self.name)
+        # A spare's folder is no trial's record (an adopted one's: what docker cp made again where its mounts were)
+        for folder in (self.trial if self.spare else None, self.origin):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)

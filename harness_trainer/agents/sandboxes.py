@@ -3,7 +3,7 @@
     auto     (default) each task where it can run: a task with an image (environment/Dockerfile or
              docker_image) in a container, any other in a bubblewrap jail
     local    bubblewrap (agents/sandbox.py): tasks that need an image are refused up front with the reason
-    docker   every task in a container (agents/containers.py); a task without an image gets DEFAULT_IMAGE
+    docker   every task in a container (agents/containers.py); a task without an image gets images.DEFAULT_IMAGE
     e2b      E2B's cloud (needs --public-url)
     harbor[:ENV]  any Harbor environment backend, through Harbor's own package
     module:Class  a Sandbox of your own (agents/sandbox.py's protocol), made from a Trial
@@ -22,7 +22,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents.containers import ContainerSpec, DockerSandbox, image_for, prepare_images
+from harness_trainer.agents.containers import DockerSandbox
+from harness_trainer.agents.images import ContainerSpec, image_for, prepare_images
 from harness_trainer.agents.sandbox import E2BSandbox, HarborSandbox, LocalSandbox, Sandbox
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_trainer._exceptions import TaskError
-from harness_trainer.agents.containers import ContainerSpec
+from harness_trainer.agents.images import ContainerSpec
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
 
 

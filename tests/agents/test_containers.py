@@ -11,7 +11,8 @@ import pytest
 from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task
 
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
-from harness_trainer.agents.containers import LABEL, DockerSandbox, docker_ready, image_for
+from harness_trainer.agents.containers import DockerSandbox
+from harness_trainer.agents.images import LABEL, docker_ready, image_for
 from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.agents.sandboxes import prepare
 from harness_trainer.rollouts.tasks import load_dataset, load_task
@@ -167,7 +168,7 @@ import sys, threading, time
 from pathlib import Path
 from harness_trainer.agents.containers import DockerSandbox
 from harness_trainer.agents.sandbox import LocalSandbox
-from harness_trainer.agents.containers import ContainerSpec
+from harness_trainer.agents.images import ContainerSpec
 root, port = Path(sys.argv[1]), int(sys.argv[2])
 boxes = [LocalSandbox(root / "local", proxy=("127.0.0.1", port)),
          DockerSandbox(root / "docker", sys.argv[3], ContainerSpec(image=sys.argv[3]), proxy=("127.0.0.1", port))]
@@ -283,3 +284,38 @@ def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_
     finally:
         box.stop()
     assert trial_containers() == []
+
+
+def test_a_kind_that_recurs_gets_containers_started_ahead_each_used_once_and_none_left(docker, tmp_path):
+    """Once a trial of a kind has ended, the next asks for a spare: the one after takes it, a container no trial
+    touched, whose /logs is then the trial's own folder on the host; closing removes the waiting ones, their
+    folders with them."""
+    from stubs import wait_until
+
+    from harness_trainer.agents.spares import SPARES
+
+    spec = load_task(image_task(tmp_path)).environment
+    trials = tmp_path / "trials"
+    box = lambda n: DockerSandbox(trials / f"t{n}", BARE_IMAGE, spec)  # noqa: E731
+    first = box(1)
+    first.start()
+    first.stop()  # the kind has ended once: more of it will come
+    second = box(2)
+    second.start()  # its own container (none waits yet), and a spare asked for
+    kind = second.kind
+    wait_until(lambda: SPARES.waiting.get(kind), 300, "the spare container")
+    spare = SPARES.waiting[kind][0][1].name
+    third = box(3)
+    third.start()
+    try:
+        assert third.name == spare and second.name != spare
+        assert third.exec("echo mine > /logs/agent/note; ls /app | wc -l", 60).stdout == "0\n"  # untouched
+        assert (trials / "t3" / "logs" / "agent" / "note").read_text() == "mine\n"  # the trial's own record
+        assert third.exec("echo again > /logs/agent/n2; cat /logs/agent/n2", 60).stdout == "again\n"
+    finally:
+        second.stop()
+        third.stop()
+    wait_until(lambda: not SPARES.pending.get(kind), 300, "the spares being started")
+    SPARES.close()
+    assert trial_containers() == []
+    assert not list((trials / ".spares").glob("*"))  # a spare's folder went with it, or into its trial's

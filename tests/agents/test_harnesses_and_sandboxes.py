@@ -15,8 +15,8 @@ import pytest
 from stubs import StubHandler
 
 from harness_trainer._exceptions import CaptureContractError, HarnessError, RewardError, SandboxError, TaskError
-from harness_trainer.agents.containers import ContainerSpec
 from harness_trainer.agents.harnesses import CommandHarness, make_harness
+from harness_trainer.agents.images import ContainerSpec
 from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.rollouts.rewards import resolve_reward_fn, score

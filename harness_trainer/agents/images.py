@@ -1,0 +1,189 @@
+"""Task environments as Harbor builds them, in Docker: one image per task (its environment/ folder as the build
+context of its Dockerfile, or its docker_image); a container per trial runs it (agents/containers.py).
+
+Images are tagged by the digest of their build context (`harness-task/NAME:DIGEST`), so a task is built once
+and every rollout and later run reuses it until a file of its environment/ changes. `prepare_images` builds
+every task's image before the first rollout: a build that fails is one error naming each failed task and its
+build log, never a rollout that scores 0 in an environment that was not there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness_trainer._exceptions import BuildError, SandboxError
+
+DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
+LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """[environment] of a task, as the container sandbox applies it."""
+    context: Path | None = None  # environment/ when it holds a Dockerfile: the build context
+    image: str | None = None  # docker_image: used as it is
+    workdir: str | None = None  # where commands run (default: the image's WORKDIR)
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None  # not enforced by overlay2 without quotas: warned
+    build_timeout_s: float = 600.0
+    allow_internet: bool = True  # true: the container's bridge (never the host's loopback); false: no network
+    env: dict = field(default_factory=dict)  # set in the container (templates already resolved)
+    healthcheck: dict | None = None  # command, interval_sec, timeout_sec, retries, start_period_sec
+
+    @property
+    def needs_container(self) -> bool:
+        return self.context is not None or self.image is not None
+
+
+def docker_ready() -> None:
+    """The docker CLI and a daemon, or SandboxError saying what to do."""
+    try:
+        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                              text=True, timeout=60)
+    except FileNotFoundError:
+        raise SandboxError("container tasks need Docker: `apt-get install docker.io` (make setup does this as root), "
+                           "then start its daemon (`dockerd &`)") from None
+    if info.returncode != 0:
+        raise SandboxError("container tasks need a running Docker daemon (`docker info` fails: "
+                           f"{(info.stderr or info.stdout).strip()[:200]}): start it (`dockerd &` as root; make "
+                           "setup does), or run only tasks without an environment image under --sandbox local")
+
+
+def docker_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def image_exists(image: str) -> bool:
+    return docker_cli("image", "inspect", "--format", "{{.Id}}", image).returncode == 0
+
+
+def context_digest(context: Path) -> str:
+    """sha256 over every file of the build context: its path, whether it is executable, its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in context.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(context).as_posix()}\0{os.access(path, os.X_OK)}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+_LOCK = threading.Lock()
+_BUILDING: dict[str, threading.Lock] = {}  # per tag: concurrent rollouts of one task wait for one build
+_DIGESTS: dict[Path, tuple[tuple, str]] = {}
+
+
+def _cached_digest(context: Path) -> str:
+    """context_digest, read again only when a file's size, time or mode changed: every trial asks for its image,
+    and a context can hold hundreds of megabytes of data."""
+    files = sorted(p for p in context.rglob("*") if p.is_file())
+    signature = tuple((str(p), st.st_size, st.st_mtime_ns, st.st_mode) for p in files for st in (p.stat(),))
+    with _LOCK:
+        known = _DIGESTS.get(context)
+    if known and known[0] == signature:
+        return known[1]
+    digest = context_digest(context)
+    with _LOCK:
+        _DIGESTS[context] = (signature, digest)
+    return digest
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-.")[:100] or "task"
+
+
+
+def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
+    """The image a task's trials run: built (or reused) from its Dockerfile, its docker_image, or the default
+    image for a task that has neither. BuildError when it cannot be had."""
+    if spec.context is not None:
+        tag = f"harness-task/{_slug(name)}:{_cached_digest(spec.context)[:16]}"
+        with _LOCK:
+            lock = _BUILDING.setdefault(tag, threading.Lock())
+        with lock:  # concurrent rollouts of one task wait for one build
+            if not image_exists(tag):
+                _build(name, spec, tag, log_dir)
+        return tag
+    image = spec.image or DEFAULT_IMAGE
+    if not image_exists(image):
+        try:
+            pulled = docker_cli("pull", image, timeout_s=spec.build_timeout_s)
+            error = "" if pulled.returncode == 0 else (pulled.stderr or pulled.stdout).strip()[-300:]
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {spec.build_timeout_s:.0f} s"
+        if error:
+            what = "its docker_image" if spec.image else f"the default image for tasks without one ({DEFAULT_IMAGE})"
+            raise BuildError(f"task {name}: {what} {image} is not on this machine and could not be pulled: {error}. "
+                             f"Build or load it (`docker load`, `docker tag`), or give the task an environment/"
+                             "Dockerfile")
+    return image
+
+
+def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> None:
+    log = (log_dir or Path.cwd()) / f"build-{_slug(name)}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            built = subprocess.run(["docker", "build", "--force-rm", "--label", "harness-trainer.task=" + name,
+                                    "-t", tag, str(spec.context)], stdout=out, stderr=subprocess.STDOUT,
+                                   timeout=spec.build_timeout_s)
+            failure = f"docker build exited {built.returncode}" if built.returncode else ""
+        except subprocess.TimeoutExpired:
+            failure = f"the build ran past build_timeout_sec ({spec.build_timeout_s:.0f} s)"
+    if failure:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
+        raise BuildError(f"task {name}: its environment/Dockerfile did not build ({failure}); the build log is {log}:"
+                         f"\n{tail}")
+    print(f"built the image of task {name} ({tag}) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None) -> dict[str, str]:
+    """Every task's image, before any rollout: {task name: image}. One BuildError lists every task that failed.
+    Also removes trial containers left by runs that no longer exist (a run killed with SIGKILL)."""
+    docker_ready()
+    remove_orphans()
+    images, failed = {}, []
+    for name, spec in tasks.items():
+        try:
+            images[name] = image_for(name, spec, log_dir)
+        except BuildError as exc:
+            failed.append(str(exc))
+    if failed:
+        raise BuildError(f"{len(failed)} of {len(tasks)} task environments could not be had; no rollout was "
+                         "started:\n" + "\n".join(failed))
+    return images
+
+
+def remove_orphans() -> list[str]:
+    """Remove trial containers whose run's process is gone; returns their names."""
+    listed = docker_cli("ps", "-a", "--filter", f"label={LABEL}", "--format", '{{.Names}} {{.Label "' + LABEL + '"}}')
+    gone = []
+    for line in listed.stdout.splitlines():
+        container, _, owner = line.partition(" ")
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            docker_cli("rm", "-f", container)
+            gone.append(container)
+    return gone
+
+
+_CONFIGS: dict[str, dict] = {}  # every trial's start asked Docker; a task's tag names one build (its digest)
+
+
+def image_config(image: str) -> dict:
+    """The image's Config (WorkingDir, Env, User, ...); {} when it cannot be read (not kept: it may be built yet)."""
+    if image in _CONFIGS:
+        return _CONFIGS[image]
+    answer = docker_cli("image", "inspect", "--format", "{{json .Config}}", image)
+    if answer.returncode != 0:
+        return {}
+    _CONFIGS[image] = config = json.loads(answer.stdout or "null") or {}
+    return config
