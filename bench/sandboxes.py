@@ -6,7 +6,10 @@ forwarder beside the same call made directly on the host, and the build context'
 lookup unless its files' sizes and times are unchanged) as the context doubles.
 
 Last, rollouts per minute of the tiny model (its own samples, not an oracle) through mini-swe-agent in each
-sandbox, the same toy tasks, batches of 4 at once, interleaved (`--rounds 0` skips it: it starts an engine).
+sandbox, the same toy tasks, batches of 8 at once, interleaved, after two rounds of each not counted (`--rounds
+0` skips it: it starts an engine). A trial's cost is measured for a container cold (its own `docker run`) and
+one taking a spare (agents/spares.py: started ahead for a kind of trial that recurs); the rounds, past the two
+not counted, are a run's steady state, where a container trial takes a spare.
 
     .venv/bin/python bench/sandboxes.py [--trials 10] [--rounds 3]
 """
@@ -33,6 +36,7 @@ from harness_trainer.agents.containers import DockerSandbox  # noqa: E402
 from harness_trainer.agents.forwarder import SocketBridge  # noqa: E402
 from harness_trainer.agents.images import _cached_digest, context_digest, image_for  # noqa: E402
 from harness_trainer.agents.sandbox import LocalSandbox  # noqa: E402
+from harness_trainer.agents.spares import SPARES  # noqa: E402
 from harness_trainer.rollouts.tasks import load_task  # noqa: E402
 
 
@@ -48,6 +52,7 @@ def trial(make) -> dict[str, float]:
     box.stop()
     times["stop"] = time.perf_counter() - mark
     times["total"] = time.perf_counter() - started
+    times["spare"] = getattr(box, "origin", None) is not None  # a container started ahead
     return times
 
 
@@ -61,21 +66,30 @@ def main() -> None:
     image = image_for(task.name, task.environment)  # built (or reused) before the timing
     bridge = SocketBridge(None, "127.0.0.1", 9)  # warms the import as the runs do
     bridge.close()
+    # A cold container: each trial a kind of its own (its own run folder), so no spare is ever started for it.
+    # A spare: one run folder, so the kind is hot from the second trial on and each trial takes the spare that
+    # the one before asked for as it ended (started in the background while the other kinds ran).
     kinds = {"bubblewrap": lambda i: LocalSandbox(root / f"local-{i}", proxy=("127.0.0.1", 18181)),
-             "container": lambda i: DockerSandbox(root / f"docker-{i}", image, task.environment,
-                                                  proxy=("127.0.0.1", 18181))}
+             "container": lambda i: DockerSandbox(root / f"cold-{i}" / "trial", image, task.environment,
+                                                  proxy=("127.0.0.1", 18181)),
+             "container, spare": lambda i: DockerSandbox(root / "spare" / f"trial-{i}", image, task.environment,
+                                                         proxy=("127.0.0.1", 18181))}
     results = {name: [] for name in kinds}
-    for i in range(args.trials):  # interleaved: the machine's noise falls on both alike
+    for i in range(args.trials + 2):  # interleaved: the machine's noise falls on all alike
         for name, make in kinds.items():
             results[name].append(trial(partial(make, i)))
-    print(f"{'sandbox':<12} {'start s':>8} {'exec s':>8} {'stop s':>8} {'total s':>8}   (medians of {args.trials})")
+    results = {name: runs[2:] for name, runs in results.items()}  # the spare kind is hot from the third on
+    SPARES.close()
+    took = sum(r["spare"] for r in results["container, spare"])
+    print(f"{'sandbox':<17} {'start s':>8} {'exec s':>8} {'stop s':>8} {'total s':>8}   (medians of {args.trials}; "
+          f"{took} of {args.trials} took a spare)")
     medians = {}
     for name, runs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
-        print(f"{name:<12} {m['start']:>8.3f} {m['exec']:>8.3f} {m['stop']:>8.3f} {m['total']:>8.3f}")
-    ratio = medians['container']['total'] / medians['bubblewrap']['total']
-    print(f"container / bubblewrap, total per trial: {ratio:.1f}x")
+        print(f"{name:<17} {m['start']:>8.3f} {m['exec']:>8.3f} {m['stop']:>8.3f} {m['total']:>8.3f}")
+    for name in ("container", "container, spare"):
+        print(f"{name} / bubblewrap, total per trial: {medians[name]['total'] / medians['bubblewrap']['total']:.1f}x")
     data_path(root)
     if args.rounds:
         rollouts_per_minute(args.rounds, root)
@@ -125,7 +139,7 @@ def data_path(root: Path) -> None:
     peaks = {}  # the forwarder's peak RSS after calls of one size only (each exec: a fresh jail and forwarder)
     for size in (sizes[0], sizes[-1]):
         shown = box.exec(f"python3 calls.py {port} '[{size}]' 9 >/dev/null; "
-                         "grep VmHWM /proc/$(pgrep -x python3 | head -n 1)/status", 120).stdout.split()
+                         "grep VmHWM /proc/$(pgrep -f /run/forwarder | head -n 1)/status", 120).stdout.split()
         peaks[size] = int(shown[1]) if len(shown) > 1 else None
     box.stop()
     server.shutdown()
@@ -159,7 +173,7 @@ def rollouts_per_minute(rounds: int, root: Path) -> None:
     from harness_trainer.rollouts.tasks import load_dataset
     from harness_trainer.serving.engine import EngineConfig, VLLMServer
 
-    tasks = load_dataset("builtin:toy-heldout")[:4]
+    tasks = load_dataset("builtin:toy-heldout")[:8]
     seconds = {"bubblewrap": 0.0, "container": 0.0}
     done = dict.fromkeys(seconds, 0)
     with VLLMServer(EngineConfig(model=str(ensure_tiny_model()), max_model_len=8192)) as engine, \
@@ -168,14 +182,18 @@ def rollouts_per_minute(rounds: int, root: Path) -> None:
                                                agent_config="compact", sandbox=kind, step_limit=3,
                                                output_dir=root / f"rollouts-{name}")
                      for name, kind in (("bubblewrap", "local"), ("container", "docker"))}
-        for _ in range(rounds):
+        # Two rounds of each first, not counted: containers are hot from the second (their trials come back after
+        # others ended) and have spares from the third on, as in a run's steady state; bubblewrap warms its caches.
+        for round in range(rounds + 2):
             for name, factory in factories.items():
                 started = time.perf_counter()
                 with ThreadPoolExecutor(len(tasks)) as pool:
                     records = list(pool.map(partial(run_rollout, factory), tasks))
-                seconds[name] += time.perf_counter() - started
-                done[name] += len(records)
+                if round >= 2:
+                    seconds[name] += time.perf_counter() - started
+                    done[name] += len(records)
                 assert all(r.status in ("ok", "timeout") for r in records), [(r.status, r.reason) for r in records]
+        SPARES.close()
     rates = {name: done[name] / seconds[name] * 60 for name in seconds}
     print(f"\nrollouts/min of the tiny model through mini-swe-agent (compact), {rounds} rounds of {len(tasks)} "
           "at once:")

@@ -87,6 +87,8 @@ class TrialDirs:
 
     def upload(self, src: Path, dst: str) -> None:
         target = self.host_path(dst)
+        if not target.resolve().is_relative_to(self.trial):  # written on the host: never through a trial's link
+            raise SandboxError(f"{dst} is a link out of the trial: nothing copied")
         if Path(src).is_dir():
             shutil.copytree(src, target, dirs_exist_ok=True)
         else:
@@ -106,11 +108,16 @@ class TrialDirs:
             shutil.copy2(source, dst)
 
     def clear(self, inside: str) -> None:
+        """Emptied, not replaced: the folder may be a container's mount (/tests), which would keep the old one."""
         path = self.host_path(inside)
         if path.is_symlink():  # the trial made it a link: the link goes, not what it points to
             path.unlink()
-        shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, exist_ok=True)
+        for child in path.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
 
 
 def kill_group(process) -> None:

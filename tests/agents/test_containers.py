@@ -13,6 +13,7 @@ from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
 from harness_trainer.agents.containers import DockerSandbox
 from harness_trainer.agents.images import LABEL, docker_ready, image_for
+from harness_trainer.agents.spares import SPARES
 from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.agents.sandboxes import prepare
 from harness_trainer.rollouts.tasks import load_dataset, load_task
@@ -131,7 +132,8 @@ def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, t
     assert seen["admin"].split()[1] == seen["other_session"].split()[1] == "403", seen  # the key is a session's
     assert seen["own_session"].split()[1] == "200", seen
     if kind == "docker":
-        assert trial_containers() == []  # removed by stop()
+        SPARES.settle()  # stop() hands the removal to the background
+        assert trial_containers() == []
 
 
 @pytest.mark.parametrize("harness,config", [
@@ -228,6 +230,7 @@ def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docke
         assert box.exec("true", 10).stderr == "cancelled"  # and no later exec starts
     finally:
         box.stop()
+    SPARES.settle()  # stop() hands the removal to the background
     assert trial_containers() == []
 
 
@@ -262,11 +265,12 @@ def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_
     box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, load_task(image_task(tmp_path)).environment)
     box.start()
     try:
-        box.upload(src, "/tests")
+        box.upload(src, "/opt/src")
         box.upload(tmp_path / "one.txt", "/solution/sub/one.txt")
-        listing = box.exec("cat /tests/deep/er/f.txt /solution/sub/one.txt; stat -c '%U %A' /tests/deep/er/f.txt",
-                           60).stdout.split("\n")
-        assert listing[:3] == ["folder", "file", "root -rw-rw-rw-"]
+        box.upload(src, "/tests")  # a mounted folder: copied on the host, no docker call
+        listing = box.exec("cat /opt/src/deep/er/f.txt /solution/sub/one.txt /tests/deep/er/f.txt; "
+                           "stat -c '%U %A' /opt/src/deep/er/f.txt /tests/deep/er/f.txt", 60).stdout.split("\n")
+        assert listing[:5] == ["folder", "file", "folder", "root -rw-rw-rw-", "root -rw-rw-rw-"]
         assert box.exec("sleep 3600 & echo started", 60).stdout == "started\n"
         sleeps = box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip()
         assert sleeps == "1"  # the container's own init; the agent's background sleep is gone
@@ -279,43 +283,42 @@ def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_
         box.clear("/logs/verifier")
         assert box.exec("ls -A /logs/verifier; touch /logs/verifier/new && echo writable", 60).stdout == "writable\n"
         box._root("rm -f \"$(command -v tar)\"")
-        box.upload(tmp_path / "one.txt", "/tests/two.txt")
-        assert box.exec("cat /tests/two.txt", 60).stdout == "file\n"
+        box.upload(tmp_path / "one.txt", "/opt/two.txt")
+        assert box.exec("cat /opt/two.txt", 60).stdout == "file\n"
     finally:
         box.stop()
+    SPARES.settle()  # stop() hands the removal to the background
     assert trial_containers() == []
 
 
 def test_a_kind_that_recurs_gets_containers_started_ahead_each_used_once_and_none_left(docker, tmp_path):
-    """Once a trial of a kind has ended, the next asks for a spare: the one after takes it, a container no trial
-    touched, whose /logs is then the trial's own folder on the host; closing removes the waiting ones, their
-    folders with them."""
+    """A kind whose trials come back soon after others ended is hot: as its trials end, spares are started for
+    the ones that could start next; the next takes one, a container no trial touched, whose /logs is then the
+    trial's own folder on the host. Closing removes the waiting ones, their folders with them."""
     from stubs import wait_until
-
-    from harness_trainer.agents.spares import SPARES
 
     spec = load_task(image_task(tmp_path)).environment
     trials = tmp_path / "trials"
     box = lambda n: DockerSandbox(trials / f"t{n}", BARE_IMAGE, spec)  # noqa: E731
     first = box(1)
     first.start()
-    first.stop()  # the kind has ended once: more of it will come
+    first.stop()  # not hot yet: no spare
     second = box(2)
-    second.start()  # its own container (none waits yet), and a spare asked for
-    kind = second.kind
+    second.start()  # its own container; the kind is hot now (one ended a moment ago)
+    kind, name = second.kind, second.name
+    assert not SPARES.waiting.get(kind) and not SPARES.pending.get(kind)
+    second.stop()  # a trial of a hot kind ends: a spare for the next
     wait_until(lambda: SPARES.waiting.get(kind), 300, "the spare container")
     spare = SPARES.waiting[kind][0][1].name
     third = box(3)
     third.start()
     try:
-        assert third.name == spare and second.name != spare
+        assert third.name == spare != name
         assert third.exec("echo mine > /logs/agent/note; ls /app | wc -l", 60).stdout == "0\n"  # untouched
         assert (trials / "t3" / "logs" / "agent" / "note").read_text() == "mine\n"  # the trial's own record
-        assert third.exec("echo again > /logs/agent/n2; cat /logs/agent/n2", 60).stdout == "again\n"
     finally:
-        second.stop()
-        third.stop()
-    wait_until(lambda: not SPARES.pending.get(kind), 300, "the spares being started")
+        third.stop()  # and one more spare for the next
+    wait_until(lambda: SPARES.waiting.get(kind), 300, "the next spare container")
     SPARES.close()
     assert trial_containers() == []
     assert not list((trials / ".spares").glob("*"))  # a spare's folder went with it, or into its trial's
