@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/rollouts_at_scale.py --rollouts 1024 [--calls 8] [--final-kb 200] [--generation-s 2]
                                                 [--minutes 10] [--group 16] [--no-journal]
+                                                [--sandbox docker] [--sigkill-after SECONDS]
 
 Each rollout is a scripted agent (bench/scripted_agent.py: CALLS model calls, the conversation growing to FINAL_KB,
 odd calls streamed, a shell command between calls) run by the `command` harness in its own bubblewrap jail with
@@ -13,17 +14,22 @@ as others end, keeping N in flight, for that long.
 Reported: rollouts/min; the latency each call added to the generation time (agent-measured, p50/p99); CPU and
 peak memory of the proxy, the forwarders, the jails and this process (the pool and the trials' socket bridges);
 threads and open file descriptors; every turn captured exactly once in the right session (0 lost, 0 mixed, 0
-duplicated: each user message carries [[session key:turn]]); memory over time.
+duplicated: each user message carries [[session key:turn]]); memory over time; what the run left behind
+(containers, bridge folders, jails and forwarders: none is right). `--sandbox docker`: each rollout in a container
+of its own (the task has no image: images.DEFAULT_IMAGE), the containers' processes and Docker's daemons measured
+too. `--sigkill-after S`: the run is a child SIGKILLed after S seconds, and what it leaves is watched until gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.agents.images import LABEL
 from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.rollouts.pool import RolloutPool
 from harness_trainer.rollouts.session import LocalSessionFactory
@@ -85,7 +92,16 @@ class Sampler:
     def sample(self) -> dict:
         """PSS, not RSS: a page shared by N processes (the Python binary of every forwarder) counts 1/N each."""
         fixed = {self.proxy.pid, self.stub.pid, *(p.pid for p in self.proxy.children(recursive=True))}
-        rss = {"proxy": pss(self.proxy), "forwarders": 0, "jails": 0, "pool": pss(self.me)}
+        rss = {"proxy": pss(self.proxy), "forwarders": 0, "jails": 0, "pool": pss(self.me), "containers": 0,
+               "docker": 0}
+        for process in psutil.process_iter(["name"]):  # a container's processes live under Docker's shim
+            try:
+                if process.info["name"].startswith("containerd-shim"):
+                    rss["containers"] += sum(pss(p) for p in (process, *process.children(recursive=True)))
+                elif process.info["name"] in ("dockerd", "containerd"):
+                    rss["docker"] += pss(process)
+            except psutil.Error:
+                continue
         jails = 0
         for process in self.me.children(recursive=True):
             if process.pid in fixed:
@@ -202,6 +218,34 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
     return result
 
 
+def leftovers(pid: int, out: Path) -> dict:
+    """What run `pid` (its files under `out`) left: containers, bridge folders, jails and forwarders."""
+    listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL}={pid}"], capture_output=True,
+                            text=True).stdout.split() if shutil.which("docker") else []
+    folders = list(Path(tempfile.gettempdir()).glob(f"harness-trial-{pid}-*"))
+    processes = 0
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        processes += process.pid != os.getpid() and (f"--watch {pid}" in line or f"{out}/run/" in line)
+    return {"containers": len(listed), "bridge_folders": len(folders), "jails_and_forwarders": processes}
+
+
+def killed_run(args, argv: list[str]) -> dict:
+    """The run as a child, SIGKILLed after args.sigkill_after seconds; then what it left, until nothing is."""
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    child = subprocess.Popen([sys.executable, __file__, *argv, "--out", str(out)], stdout=subprocess.DEVNULL)
+    time.sleep(args.sigkill_after)
+    child.kill()
+    child.wait()
+    killed, seen = time.time(), []  # (seconds since the kill, what was left then)
+    while (left := leftovers(child.pid, out)) and any(left.values()) and time.time() - killed < 180:
+        seen.append((round(time.time() - killed, 1), left))
+        time.sleep(1)
+    return {"killed_after_s": args.sigkill_after, "in_flight_at_kill": seen[0][1] if seen else left,
+            "left_after": left, "seconds_to_nothing": round(time.time() - killed, 1),
+            "last_seen_s_by_part": {part: max((t for t, was in seen if was[part]), default=0.0) for part in left}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=1024, help="in flight at once")
@@ -213,7 +257,14 @@ def main() -> None:
     parser.add_argument("--no-journal", action="store_true", help="the proxy without its journal")
     parser.add_argument("--out", type=Path, default=None, help="where the run's files go (a temporary folder)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--sandbox", choices=("local", "docker"), default="local", help="bubblewrap or containers")
+    parser.add_argument("--sigkill-after", type=float, default=0, help="SIGKILL the run this many seconds in")
     args = parser.parse_args()
+    if args.sigkill_after:
+        at = sys.argv.index("--sigkill-after")
+        argv = sys.argv[1:at] + sys.argv[at + 2:]
+        print(json.dumps(killed_run(args, argv), indent=1))
+        return
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     tasks = make_tasks(out / "tasks", 64)
     python = Path(sys.base_prefix) / "bin" / "python3"
@@ -224,12 +275,14 @@ def main() -> None:
         with ProxyServer(stub.url, model="tiny", journal=None if args.no_journal else out / "journal",
                          log_path=out / "proxy.log", startup_timeout_s=60) as proxy:
             factory = LocalSessionFactory(None, proxy=proxy.client, harness=harness, output_dir=out / "run",
-                                          step_limit=args.calls, max_model_calls=args.calls + 4)
+                                          step_limit=args.calls, max_model_calls=args.calls + 4,
+                                          sandbox=args.sandbox)
             sampler = Sampler(proxy.managed.process.pid, stub.process.pid)
             totals, latencies, elapsed = run(args, tasks, factory, out / "run")
             result = report(args, totals, latencies, elapsed, sampler, sampler.stop())
     finally:
         stub.stop()
+    result["left_after_end"] = leftovers(os.getpid(), out)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -15,6 +15,7 @@ mounts (/root is 0700 in Debian's images) are given the search bit in the contai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shlex
@@ -33,6 +34,17 @@ from harness_trainer.agents.spares import SPARES
 # so the ones each exec kills would otherwise stay as zombies for the container's life (`sleep infinity` never
 # waits); the shell's `wait` reaps any child. A kill -9 -1 inside reaches its sleep, never itself: it sleeps again.
 REAPER = "while :; do sleep 2147483647 & wait; done"
+
+
+@functools.cache  # one per process (a forked child has a pid, and a reaper, of its own)
+def _reaper(pid: int) -> subprocess.Popen:
+    """Once process `pid` is gone, SIGKILLed included, every container it labelled is removed. A trial's forwarder
+    does that for its own container, but only once it runs: a container being started, a spare, or one whose
+    removal was under way when the run died has none (6 of 16 were left after a SIGKILL at scale)."""
+    script = (f"tail --pid={pid} -f /dev/null; "  # GNU tail: one process that polls, no `sleep` a second
+              f"docker ps -aq --filter label={LABEL}={pid} | xargs -r docker rm -f >/dev/null 2>&1")
+    return subprocess.Popen(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class DockerSandbox(TrialDirs):
@@ -84,6 +96,7 @@ class DockerSandbox(TrialDirs):
         self.name, self.bridge, self.forwarder, self.origin = spare.name, spare.bridge, spare.forwarder, spare.trial
 
     def _run(self) -> None:
+        _reaper(os.getpid())
         for name in ("logs/agent", "logs/verifier"):  # made on the host: no exec in the container to make them
             (self.trial / name).mkdir(parents=True, exist_ok=True)
         for name in (*self.MOUNTED, "logs/agent", "logs/verifier"):

@@ -13,9 +13,9 @@ from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
 from harness_trainer.agents.containers import DockerSandbox
 from harness_trainer.agents.images import LABEL, docker_ready, image_for
-from harness_trainer.agents.spares import SPARES
 from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.agents.sandboxes import prepare
+from harness_trainer.agents.spares import SPARES
 from harness_trainer.rollouts.tasks import load_dataset, load_task
 
 
@@ -173,7 +173,8 @@ from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.agents.images import ContainerSpec
 root, port = Path(sys.argv[1]), int(sys.argv[2])
 boxes = [LocalSandbox(root / "local", proxy=("127.0.0.1", port)),
-         DockerSandbox(root / "docker", sys.argv[3], ContainerSpec(image=sys.argv[3]), proxy=("127.0.0.1", port))]
+         DockerSandbox(root / "docker", sys.argv[3], ContainerSpec(image=sys.argv[3]), proxy=("127.0.0.1", port)),
+         DockerSandbox(root / "bare", sys.argv[3], ContainerSpec(image=sys.argv[3]))]  # no forwarder to remove it
 for box in boxes:
     box.start()
     threading.Thread(target=box.exec, args=("sleep 300", 600), daemon=True).start()
@@ -183,8 +184,9 @@ time.sleep(600)
 
 
 def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tmp_path):
-    """A run SIGKILLed mid-rollout (no stop(), no cleanup of ours): its jail, its container and both forwarders
-    end by themselves within seconds."""
+    """A run SIGKILLed mid-rollout (no stop(), no cleanup of ours): its jail, its containers and both forwarders
+    end by themselves within seconds: a container's forwarder removes it, and the run's reaper every container
+    it labelled, one with no forwarder included (one being started, a spare, one being removed)."""
     import signal
     import sys
     import time
@@ -193,6 +195,8 @@ def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tm
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "running"
     pid = holder.pid
+    assert len(subprocess.run(["docker", "ps", "-q", "--filter", f"label={LABEL}={pid}"], capture_output=True,
+                              text=True).stdout.split()) == 2  # both containers run
     os.kill(pid, signal.SIGKILL)
     holder.wait()
 
