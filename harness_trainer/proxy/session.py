@@ -93,15 +93,24 @@ class Session:
     started_calls: int = 0  # calls admitted (in flight or finished), for the budget
     stops: list[str] = field(default_factory=list)  # clean stops the proxy answered (budget, context), why
     shared: dict = field(default_factory=dict, repr=False)  # texts and tool lists its calls hold once (share)
+    last_messages: list = field(default_factory=list, repr=False)  # the last call's, as share() kept them
     graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
 
     def share(self, request: dict) -> dict:
         """Each call's request repeats the conversation so far and the same tools: a long text or a tool list
         seen before in this session is kept as the object already held, so the session's requests cost its
         conversation once, not once per call (30 calls of a conversation growing to 400 KB: 6 MB -> 0.4 MB)."""
-        seen = self.shared
-        messages = [{k: seen.setdefault(v, v) if isinstance(v, str) and len(v) > 256 else v for k, v in m.items()}
-                    if isinstance(m, dict) else m for m in request.get("messages") or []]
+        seen, given, before = self.shared, request.get("messages") or [], self.last_messages
+        share = lambda m: {k: seen.setdefault(v, v) if isinstance(v, str) and len(v) > 256 else v  # noqa: E731
+                           for k, v in m.items()} if isinstance(m, dict) else m
+        # The usual call repeats the last one's messages and adds a few: those are compared as one list (in C,
+        # no hashing) and kept as they were; only the new ones are shared one by one (a 400 KB conversation of
+        # 1,200 messages: 2.3 ms a call before)
+        if before and given[:len(before)] == before:
+            messages = before + [share(m) for m in given[len(before):]]
+        else:
+            messages = [share(m) for m in given]
+        self.last_messages = messages
         tools = request.get("tools")
         if tools:
             tools = seen[TOOLS] = seen[TOOLS] if tools == seen.get(TOOLS) else tools
