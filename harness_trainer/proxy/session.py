@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from harness_trainer._exceptions import NotTrainable
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
+from harness_trainer.traces.sharing import share_messages
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 TOOLS = ("tools",)  # Session.shared's key for the last tool list (every other key is a text)
@@ -100,17 +101,8 @@ class Session:
         """Each call's request repeats the conversation so far and the same tools: a long text or a tool list
         seen before in this session is kept as the object already held, so the session's requests cost its
         conversation once, not once per call (30 calls of a conversation growing to 400 KB: 6 MB -> 0.4 MB)."""
-        seen, given, before = self.shared, request.get("messages") or [], self.last_messages
-        share = lambda m: {k: seen.setdefault(v, v) if isinstance(v, str) and len(v) > 256 else v  # noqa: E731
-                           for k, v in m.items()} if isinstance(m, dict) else m
-        # The usual call repeats the last one's messages and adds a few: those are compared as one list (in C,
-        # no hashing) and kept as they were; only the new ones are shared one by one (a 400 KB conversation of
-        # 1,200 messages: 2.3 ms a call before)
-        if before and given[:len(before)] == before:
-            messages = before + [share(m) for m in given[len(before):]]
-        else:
-            messages = [share(m) for m in given]
-        self.last_messages = messages
+        seen = self.shared
+        self.last_messages = messages = share_messages(request.get("messages") or [], self.last_messages, seen)
         tools = request.get("tools")
         if tools:
             tools = seen[TOOLS] = seen[TOOLS] if tools == seen.get(TOOLS) else tools

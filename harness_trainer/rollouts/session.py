@@ -42,7 +42,7 @@ from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import VerifierResult, verify
-from harness_trainer.traces.files import share_token_ids
+from harness_trainer.traces.sharing import share_trace
 
 
 @dataclass
@@ -356,8 +356,8 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
                                     seconds=time.perf_counter() - started)
         wire, reason = None, session.error or ""
         if not session.error:
-            try:  # the wire form only (a model held through the verifier doubles a rollout's memory), ids shared
-                wire = TRACE_READER.submit(lambda: share_token_ids(session.fetch_training_trace().model_dump(
+            try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared
+                wire = TRACE_READER.submit(lambda: share_trace(session.fetch_training_trace().model_dump(
                     mode="json"))).result()
             except CaptureNotTrainable as exc:
                 reason = f"nothing trainable was captured: {exc}"

@@ -1,3 +1,4 @@
 """traces: the OpenEnv TrainingTrace as data: reading, appending and validating trace files (files.py) and each
-turn's prefix parent (prefixes.py). The bottom layer: imports no other package of this project, and never torch;
-the proxy imports prefixes.py, so this package's own __init__ stays empty of imports."""
+turn's prefix parent (prefixes.py), what a conversation repeats held once in memory (sharing.py). The bottom
+layer: imports no other package of this project, and never torch; the proxy imports prefixes.py and sharing.py,
+so this package's own __init__ stays empty of imports."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
     from openenv.core.harness.training import TrainingTrace, TrainingTurn
 
 __all__ = ["TrainingTrace", "TrainingTurn", "TraceFileError", "iter_traces", "read_traces", "write_traces",
-           "append_trace", "append_wire", "turn_counts", "share_token_ids"]
+           "append_trace", "append_wire", "turn_counts"]
 
 
 def __getattr__(name: str):
@@ -39,29 +38,6 @@ def _schema():
     from openenv.core.harness.training import TrainingTrace
 
     return TrainingTrace
-
-
-# Token ids held in memory. An int above 256 is a Python object of its own (28 B) besides its 8 B slot in a list,
-# and every turn repeats its whole prompt (the contract): a 30-turn trace of 50k-token prompts is 1.5M ids, 54 MB.
-# With one int object per id value, shared by every list in the process (at most the vocabulary: ~5 MB once), a
-# token costs its slot only: 8 B instead of 36. The lists stay lists; nothing that reads them changes.
-_IDS: list[int] = []
-_IDS_LOCK = threading.Lock()
-_IDS_CEILING = 1 << 20  # above every vocabulary; an id past it is left as it is
-
-
-def share_token_ids(wire: dict) -> dict:
-    """A wire-form trace's token ids made of the process's shared int objects (in place; returns `wire`)."""
-    for turn in wire.get("turns", ()):
-        for key in ("prompt_token_ids", "completion_token_ids"):
-            ids = turn.get(key)
-            if not ids or min(ids) < 0 or (top := max(ids)) >= _IDS_CEILING:
-                continue
-            if top >= len(_IDS):
-                with _IDS_LOCK:
-                    _IDS.extend(range(len(_IDS), top + 1))
-            turn[key] = list(map(_IDS.__getitem__, ids))
-    return wire
 
 
 def turn_counts(turns: list[dict]) -> dict:

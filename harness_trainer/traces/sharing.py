@@ -1,0 +1,59 @@
+"""What a rollout's conversation repeats, held once in memory.
+
+Every model call sends the whole conversation so far, and a trace keeps each call whole (the contract): its
+prompt ids and its request's messages. Held as decoded, a 30-call rollout of a conversation growing to 400 KB is
+~6 MB of repeated text and 1.5M ids. Two things make it cost about the conversation once:
+- a long text (a tool's output, a file) seen before is kept as the object already held (`share_messages`); the
+  usual call repeats the last one's messages and adds a few, so those are compared as one list, in C, and reused;
+- an id above 256 is an int object of its own (28 B) besides its 8 B slot in a list; with one object per value,
+  shared by every list in the process (`share_ids`: at most the vocabulary, ~5 MB once), a token costs its slot.
+The values and the lists' types stay what they were: nothing that reads them changes. Stdlib only (the proxy's
+environment imports it too).
+"""
+
+from __future__ import annotations
+
+import threading
+
+LONG = 256  # a text shorter than this costs less than looking it up
+_IDS: list[int] = []
+_IDS_LOCK = threading.Lock()
+_IDS_CEILING = 1 << 20  # above every vocabulary; an id past it is left as it is
+
+
+def share_messages(messages: list, before: list, seen: dict) -> list:
+    """`messages` with each long text the object in `seen` (added there when new), reusing `before`'s messages
+    (a call's, as this returned them) when `messages` starts with them."""
+    if before and messages[:len(before)] == before:
+        return before + [_share(m, seen) for m in messages[len(before):]]
+    return [_share(m, seen) for m in messages]
+
+
+def _share(message, seen: dict):
+    if not isinstance(message, dict):
+        return message
+    return {k: seen.setdefault(v, v) if isinstance(v, str) and len(v) > LONG else v for k, v in message.items()}
+
+
+def share_ids(ids: list) -> list:
+    """The same ids, made of the process's shared int objects (ids no vocabulary has are left as they are)."""
+    if not ids or min(ids) < 0 or (top := max(ids)) >= _IDS_CEILING:
+        return ids
+    if top >= len(_IDS):
+        with _IDS_LOCK:
+            _IDS.extend(range(len(_IDS), top + 1))
+    return list(map(_IDS.__getitem__, ids))
+
+
+def share_trace(wire: dict) -> dict:
+    """A wire-form trace's ids and repeated texts held once (in place; returns `wire`)."""
+    seen: dict = {}
+    before: list = []
+    for turn in wire.get("turns", ()):
+        for key in ("prompt_token_ids", "completion_token_ids"):
+            if isinstance(turn.get(key), list):
+                turn[key] = share_ids(turn[key])
+        request = turn.get("request")
+        if isinstance(request, dict) and isinstance(request.get("messages"), list):
+            request["messages"] = before = share_messages(request["messages"], before, seen)
+    return wire
