@@ -209,7 +209,8 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
         "pss_first_minute_mb": total(first), "pss_last_minute_mb": total(last), **totals}
     result["memory_growth"] = result["pss_last_minute_mb"] / result["pss_first_minute_mb"] - 1
     part = lambda ss, name: statistics.mean(s["rss"][name] for s in ss)  # noqa: E731
-    result["memory_growth_by_part"] = {name: part(last, name) / part(first, name) - 1 for name in samples[0]["rss"]}
+    result["memory_growth_by_part"] = {name: part(last, name) / part(first, name) - 1 if part(first, name) else None
+                                       for name in samples[0]["rss"]}  # None: a part this run has none of
     minutes = {}  # the whole run, ramp included: PSS by part, each minute's mean (MB)
     for s in samples:
         minutes.setdefault(int((s["t"] - samples[0]["t"]) // 60), []).append(s)
