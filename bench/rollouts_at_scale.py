@@ -142,7 +142,7 @@ def check(record, calls: int, keys: dict[str, str], latencies: list[float], tria
     own = {k for k, episode in keys.items() if episode == record.episode_id}
     found["mixed"] += len(own) > 1
     found.update(lost=calls - len(set(seen)), duplicated=len(seen) - len(set(seen)))
-    path = trials / record.episode_id / "app" / "latencies.json"
+    path = trials / record.episode_id / "logs" / "agent" / "latencies.json"
     if path.exists():
         latencies += [t - generation_s for t in json.loads(path.read_text())]
     return found

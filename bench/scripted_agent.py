@@ -6,7 +6,8 @@ CALLS model calls (odd ones streamed) through $OPENAI_BASE_URL with key $OPENAI_
 by a tool result each turn to about FINAL_KB, a shell command run between calls; then the fourth word of
 INSTRUCTION ("Write the word W ...") written into ANSWER_FILE, which the task's verifier checks. Each user message
 starts with [[KEY:k]] and the stub engine answers "ok KEY:k": an answer meant for another session or another turn
-is seen here (exit 3). Each call's latency (s) goes to /app/latencies.json, for the bench to read.
+is seen here (exit 3). Each call's latency (s) goes to /logs/agent/latencies.json (the trial's own folder on the
+host, in a jail or a container), for the bench to read.
 """
 
 import json
@@ -54,7 +55,8 @@ def main() -> int:
         messages.append({"role": "assistant", "content": text})
     with open(answer_file, "w") as f:
         f.write(word + "\n")
-    with open("/app/latencies.json", "w") as f:
+    os.makedirs("/logs/agent", exist_ok=True)
+    with open("/logs/agent/latencies.json", "w") as f:
         json.dump(latencies, f)
     return 0
 
