@@ -75,6 +75,9 @@ class DockerSandbox(TrialDirs):
         kind = (self.image, repr(self.spec), self.proxy, self.trial.parent)
         spare = SPARES.take(kind)
         self.kind = kind
+        if spare is not None and any(any((self.trial / name).iterdir()) for name in self.MOUNTED):
+            spare.stop()  # a trial folder that holds files already (a rerun's) keeps them: no spare's folders
+            spare = None
         if spare is None:
             self._run()
         else:
@@ -84,7 +87,11 @@ class DockerSandbox(TrialDirs):
     def _start_spare(self) -> DockerSandbox:
         box = DockerSandbox(self.trial.parent / ".spares" / uuid.uuid4().hex[:12], self.image, self.spec, self.proxy)
         box.spare = True
-        box.start()
+        try:
+            box.start()
+        except BaseException:
+            box.stop()  # whatever it got as far as starting
+            raise
         return box
 
     def _adopt(self, spare: DockerSandbox) -> None:
