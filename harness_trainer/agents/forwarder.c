@@ -33,7 +33,8 @@ struct leg {
 };
 
 /* Read when the leg's buffer is empty, write what it holds; at the source's end, pass the half-close on.
- * Returns -1 when the connection is broken (either side reset): the child then exits, closing both. */
+ * Returns 1 when bytes moved or the end was seen, 0 when nothing could be done, and -1 when the connection is
+ * broken (either side reset): the child then exits, closing both. */
 static int step(struct leg *leg, short revents_from, short revents_to) {
     if (leg->len == leg->off && !leg->eof && (revents_from & (POLLIN | POLLHUP | POLLERR))) {
         ssize_t n = read(leg->from, leg->buf, CHUNK);
@@ -42,15 +43,17 @@ static int step(struct leg *leg, short revents_from, short revents_to) {
         if (n == 0) {
             leg->eof = 1;
             shutdown(leg->to, SHUT_WR);
-            return 0;
+            return 1;
         }
         leg->len = (size_t)n, leg->off = 0;
+        return 1;
     }
     if (leg->len > leg->off && (revents_to & (POLLOUT | POLLERR | POLLHUP))) {
         ssize_t n = write(leg->to, leg->buf + leg->off, leg->len - leg->off);
         if (n < 0)
             return errno == EINTR || errno == EAGAIN ? 0 : -1;
         leg->off += (size_t)n;
+        return 1;
     }
     return 0;
 }
@@ -76,7 +79,14 @@ static void relay(int client, const char *path) {
             break;
         if (ready <= 0)
             continue;
-        if (step(&out, fds[0].revents, fds[1].revents) < 0 || step(&back, fds[1].revents, fds[0].revents) < 0)
+        int moved = step(&out, fds[0].revents, fds[1].revents);
+        int back_moved = moved < 0 ? -1 : step(&back, fds[1].revents, fds[0].revents);
+        if (moved < 0 || back_moved < 0)
+            break;
+        /* A hangup poll reports at once and every time: when neither leg can do anything with it (a peer gone
+         * for good, the other with nothing for it), staying would spin the core until the watched process
+         * ends. No flow here was seen to reach it (a reset fails the read first); it is the guard. */
+        if (!moved && !back_moved && ((fds[0].revents | fds[1].revents) & (POLLHUP | POLLERR)))
             break;
     }
     _exit(0);

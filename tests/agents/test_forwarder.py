@@ -130,3 +130,38 @@ def test_without_a_compiler_trials_fall_back_to_the_python_half(monkeypatch, tmp
         forwarder.compiled.cache_clear()
     assert command[-1] == forwarder.__file__ and command[1:3] == ["-S", "-I"]
     assert "did not build" in caplog.text and not list(tmp_path.rglob("forwarder-*"))
+
+
+def test_a_client_gone_for_good_ends_its_relay_without_waiting_for_the_upstream(tmp_path):
+    """The compiled half relays each connection in a child of its own: when the agent's side is reset (the
+    agent killed mid-call) while the engine is still generating, that child ends at once, not when the engine
+    next speaks (a minute of generation, here never)."""
+    import struct
+
+    import psutil
+    from stubs import wait_until
+
+    path = str(tmp_path / "proxy.sock")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, reads, never answers
+    silent.bind(path)
+    silent.listen(4)
+    watched, port = subprocess.Popen(["sleep", "3600"]), free_port()
+    proc = subprocess.Popen([forwarder.compiled(), "--port", str(port), "--socket", path, "--watch",
+                             str(watched.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST /v1/chat/completions")
+        held, _ = silent.accept()  # the call reached the upstream, which is "generating"
+        relays = psutil.Process(proc.pid).children()
+        assert len(relays) == 1
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # a reset, as when the agent is killed
+        wait_until(lambda: not relays[0].is_running() or relays[0].status() == psutil.STATUS_ZOMBIE, 60,
+                   "the relay to end")  # the upstream never answers: ending at all is the reset's doing
+        held.close()
+    finally:
+        watched.kill()
+        proc.kill()
+        proc.wait()
+        silent.close()
