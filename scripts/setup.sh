@@ -11,6 +11,7 @@
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
+#   cc            Debian's gcc (apt, as root) where no C compiler is: each trial's forwarder is compiled once
 #   docker        Debian's docker.io + debootstrap (apt, as root), its daemon started when none runs, and the
 #                 local base images the container tests' Dockerfiles name (scripts/base_images.sh: no registry
 #                 is reachable, so they are made from Debian's packages)
@@ -172,6 +173,12 @@ install_bench() {  # on request (BENCH=1, `make bench`): a load generator and an
 if [ "${BENCH:-0}" = 1 ]; then run_step bench "$PY_SPY_VERSION" install_bench; fi
 if command -v bwrap >/dev/null 2>&1; then wanted bubblewrap && echo "setup: bubblewrap is present"
 else run_step bubblewrap "apt" install_bwrap; fi
+install_cc() {  # each trial's forwarder is compiled once (agents/forwarder.c); without cc it is a Python process
+  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install gcc libc6-dev yourself"; return 1; fi
+  (apt-get install -y gcc libc6-dev || { apt-get update && apt-get install -y gcc libc6-dev; })
+}
+if command -v cc >/dev/null 2>&1; then wanted cc && echo "setup: a C compiler is present"
+else run_step cc "apt" install_cc; fi
 install_chromium() {  # the run viewer's tests drive a real headless browser
   if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install chromium chromium-driver yourself"; return 1; fi
   local pkgs="chromium chromium-driver"
