@@ -23,19 +23,14 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from mitmproxy import ctx, http
-
 from harness_trainer import fastjson
 from harness_trainer._exceptions import NoEngine, NotTrainable
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import rollout_document, training_trace
+from harness_trainer.proxy.wire import Reply, Request, json_reply
 
 
-def json_response(status: int, body) -> http.Response:
-    return http.Response.make(status, fastjson.dumps(body), {"content-type": "application/json"})
-
-
-def session_key(request: http.Request) -> str | None:
+def session_key(request: Request) -> str | None:
     """The key a request carries: a session's id (its agent's API key), or the admin key."""
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
@@ -43,17 +38,18 @@ def session_key(request: http.Request) -> str | None:
     return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
 
 
-def _error(status: int, message: str) -> http.Response:
-    return json_response(status, {"error": {"message": message, "code": status}})
+def _error(status: int, message: str) -> Reply:
+    return json_reply(status, {"error": {"message": message, "code": status}})
 
 
 class ControlRoutes:
-    def __init__(self, addon, *, admin_key: str | None, public_url: str | None):
+    def __init__(self, addon, *, admin_key: str | None, public_url: str | None, confdir: str | None = None):
         self.addon = addon
         self.admin_key = admin_key
         self.public_url = public_url
+        self.confdir = confdir  # where mitmproxy keeps the CA of forward mode
 
-    def _caller(self, request: http.Request) -> tuple[bool, str | None]:
+    def _caller(self, request: Request) -> tuple[bool, str | None]:
         """(is admin, session id the caller holds the key of)."""
         key = session_key(request) or request.headers.get("x-admin-key")
         if key and key in self.addon.store.sessions:
@@ -62,23 +58,25 @@ class ControlRoutes:
             return True, None
         return bool(key) and hmac.compare_digest(key, self.admin_key), None
 
-    async def handle(self, flow: http.HTTPFlow) -> http.Response:
-        request = flow.request
+    async def handle(self, request: Request) -> Reply:
         parts = [p for p in request.path.split("?", 1)[0].split("/") if p]
         method = request.method
         admin, own = self._caller(request)
         store = self.addon.store
 
         if parts == ["health"] and method == "GET":
-            return json_response(200, {"status": "ok", "sessions": len(store.sessions)})
+            return json_reply(200, {"status": "ok", "sessions": len(store.sessions)})
         if parts == ["ca.pem"] and method == "GET":
-            path = Path(ctx.options.confdir).expanduser() / "mitmproxy-ca-cert.pem"
-            return http.Response.make(200, path.read_bytes(), {"content-type": "application/x-pem-file"})
+            path = Path(self.confdir or "~/.cache/harness-trainer/mitmproxy").expanduser() / "mitmproxy-ca-cert.pem"
+            if not path.is_file():
+                return _error(404, "this proxy has no forward (HTTPS_PROXY) listener, so no CA: start it with "
+                                   "--forward-port")
+            return Reply(200, path.read_bytes(), "application/x-pem-file")
         if parts == ["v1", "models"] and method == "GET":
             if not (own or admin):
                 return _error(401, "unknown API key")
             model = store.sessions[own].model if own else await self.addon.served_model(self.addon.upstream)
-            return json_response(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+            return json_reply(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
         if not parts or parts[0] not in ("sessions", "policy_version", "engines"):
             return _error(404, f"no route {method} {request.path}: model calls go to /v1/chat/completions, "
                                "/v1/messages or /v1/responses; control routes are under /sessions")
@@ -97,17 +95,17 @@ class ControlRoutes:
                 return _error(400, f"request body is not valid JSON: {exc}")
 
         if parts[0] != "sessions" or len(parts) == 1:
-            return await self._global(flow, parts, body)
+            return await self._global(request, parts, body)
         session = store.sessions.get(session_id or "")
         if session is None:
             return _error(404, f"no session {session_id!r}")
-        return self._session(flow, session, parts[2:], body)
+        return self._session(request, session, parts[2:], body)
 
-    async def _global(self, flow: http.HTTPFlow, parts: list[str], body: dict) -> http.Response:
+    async def _global(self, request: Request, parts: list[str], body: dict) -> Reply:
         """/engines, /policy_version, /sessions (admin only)."""
-        method, store = flow.request.method, self.addon.store
+        method, store = request.method, self.addon.store
         if parts == ["engines"] and method == "GET":
-            return json_response(200, {"engines": await self.addon.pool.metrics(self.addon.http)})
+            return json_reply(200, {"engines": await self.addon.pool.metrics(self.addon.http)})
         if parts == ["policy_version"] and method == "POST":
             version, model = body.get("policy_version"), body.get("model")
             if not isinstance(version, int) or isinstance(version, bool):
@@ -119,43 +117,43 @@ class ControlRoutes:
             store.set_current(version, model)
             for session in list(store.sessions.values()):
                 store.set_policy_version(session, version, model)
-            return json_response(200, {"policy_version": version, "model": store.current_model,
+            return json_reply(200, {"policy_version": version, "model": store.current_model,
                                        "sessions": len(store.sessions)})
         if parts == ["policy_version"] and method == "GET":  # what the trainer needs to unload old adapters
-            return json_response(200, {"policy_version": store.current_version, "model": store.current_model,
+            return json_reply(200, {"policy_version": store.current_version, "model": store.current_model,
                                        "in_flight": {k: v for k, v in store.in_flight.items() if v}})
         if parts == ["sessions"] and method == "POST":
-            return await self._create(flow, body)
+            return await self._create(request, body)
         if parts == ["sessions"] and method == "GET":
-            return json_response(200, {"sessions": [s.summary() for s in store.sessions.values()]})
-        return _error(404, f"no route {method} {flow.request.path}")
+            return json_reply(200, {"sessions": [s.summary() for s in store.sessions.values()]})
+        return _error(404, f"no route {method} {request.path}")
 
-    def _session(self, flow: http.HTTPFlow, session, tail: list[str], body: dict) -> http.Response:
+    def _session(self, request: Request, session, tail: list[str], body: dict) -> Reply:
         """/sessions/ID[/trace|/rollout|/graph|/policy_version]: its own key may GET, the admin key all."""
-        method, store = flow.request.method, self.addon.store
+        method, store = request.method, self.addon.store
         if tail == [] and method == "GET":
-            return json_response(200, session.summary())
+            return json_reply(200, session.summary())
         if tail == [] and method == "DELETE":
             store.delete(session.id)
-            return json_response(200, {"deleted": session.id})
+            return json_reply(200, {"deleted": session.id})
         if tail == ["trace"] and method == "GET":
             try:
-                return json_response(200, training_trace(session))
+                return json_reply(200, training_trace(session))
             except NotTrainable as exc:
-                return json_response(409, {"trainable": False, "reason": str(exc)})
+                return json_reply(409, {"trainable": False, "reason": str(exc)})
         if tail == ["rollout"] and method == "GET":
-            return json_response(200, rollout_document(session))
+            return json_reply(200, rollout_document(session))
         if tail == ["graph"] and method == "GET":
-            return json_response(200, rollout_document(session, ids=False))
+            return json_reply(200, rollout_document(session, ids=False))
         if tail == ["policy_version"] and method == "POST":
             version = body.get("policy_version")
             if not isinstance(version, int) or isinstance(version, bool):
                 return _error(400, "'policy_version' must be an integer")
             store.set_policy_version(session, version)
-            return json_response(200, session.summary())
-        return _error(404, f"no route {method} {flow.request.path}")
+            return json_reply(200, session.summary())
+        return _error(404, f"no route {method} {request.path}")
 
-    async def _create(self, flow: http.HTTPFlow, body: dict) -> http.Response:
+    async def _create(self, request: Request, body: dict) -> Reply:
         checks = {"id": str, "upstream": str, "model": str, "policy": dict, "max_model_calls": int,
                   "policy_version": int, "metadata": dict}
         for key, kind in checks.items():
@@ -175,5 +173,5 @@ class ControlRoutes:
             return _error(400, str(exc))
         except Exception as exc:  # the upstream could not be asked for its model
             return _error(502, f"could not ask the upstream for its served model: {exc}; pass 'model'")
-        base = self.public_url or f"http://{flow.request.host_header or flow.request.host}"
-        return json_response(201, dict(session.summary(), api_key=session.id, base_url=f"{base}/v1"))
+        base = self.public_url or f"http://{request.host_header or request.host}"
+        return json_reply(201, dict(session.summary(), api_key=session.id, base_url=f"{base}/v1"))

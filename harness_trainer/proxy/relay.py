@@ -1,4 +1,4 @@
-"""A loopback relay between mitmproxy and the engine, for streamed model calls only.
+"""A loopback relay between mitmproxy and the engine, for streamed model calls of the forward listener only.
 
 Why: when an upstream dies mid-stream, mitmproxy closes the agent's connection before any addon can write, so
 the agent sees a stream that just stops (codex then reconnects blindly; a chat client raises a protocol error).
@@ -18,7 +18,13 @@ import httpx
 UPSTREAM_HEADER = "x-harness-upstream"  # where the relay sends the call (the session's engine)
 
 
-def _chunk(data: bytes) -> bytes:
+def broken_stream_event(exc: BaseException) -> bytes:
+    """The in-stream error event vLLM itself sends for errors, for a stream the engine broke off."""
+    error = {"error": {"message": f"the engine's stream broke off: {exc or type(exc).__name__}", "code": 502}}
+    return b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
+
+
+def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
@@ -63,12 +69,10 @@ class StreamRelay:
                 answered = True
                 try:
                     async for data in answer.aiter_bytes():
-                        writer.write(_chunk(data))
+                        writer.write(http_chunk(data))
                         await writer.drain()
                 except httpx.HTTPError as exc:  # the engine broke off mid-answer
-                    error = {"error": {"message": f"the engine's stream broke off: {exc or type(exc).__name__}",
-                                       "code": 502}}
-                    writer.write(_chunk(b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"))
+                    writer.write(http_chunk(broken_stream_event(exc)))
                 writer.write(b"0\r\n\r\n")
                 await writer.drain()
         except httpx.HTTPError as exc:  # no answer at all: a 502 the proxy retries like any other

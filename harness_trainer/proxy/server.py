@@ -1,11 +1,12 @@
-"""Run the capture proxy: mitmproxy's in-process master with the capture addon, in the proxy's environment.
+"""Run the capture proxy in the proxy's environment: one process, one event loop, one capture (core.py).
 
     python -m harness_trainer.proxy.server --upstream http://127.0.0.1:8000 --port 8100 [--forward-port 8101]
 
-Two listeners on one master:
-  reverse  (--port)          agents whose base URL points at the proxy, and the control routes
-  regular  (--forward-port)  agents that keep their built-in endpoint and get HTTPS_PROXY + the CA at /ca.pem;
-                             their model calls are captured and sent to the session's upstream
+Two listeners over the same sessions:
+  reverse  (--port)          agents whose base URL points at the proxy, and the control routes (front.py)
+  forward  (--forward-port)  agents that keep their built-in endpoint and get HTTPS_PROXY + the CA at /ca.pem;
+                             their model calls are captured and sent to the session's upstream (mitmproxy's
+                             master with addon.py: it intercepts TLS)
 """
 
 from __future__ import annotations
@@ -30,39 +31,69 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from mitmproxy.addons import core, errorcheck, next_layer, proxyserver, tlsconfig
-    from mitmproxy.master import Master
-    from mitmproxy.options import Options
+def parse_size(text: str) -> int:
+    """'32m' -> bytes (k, m, g: powers of 1024)."""
+    text = text.strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:], 1)
+    try:
+        return int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise SystemExit(f"harness-train proxy: --body-size-limit {text!r} is not a size (e.g. 32m)") from None
 
-    from harness_trainer.proxy.addon import CaptureAddon
+
+async def serve(args: argparse.Namespace) -> None:
+    from harness_trainer.proxy.core import Capture
+    from harness_trainer.proxy.front import Front
     from harness_trainer.proxy.store import SessionStore
 
     confdir = Path(args.confdir).expanduser()
     confdir.mkdir(parents=True, exist_ok=True)
-    modes = [f"reverse:{args.upstream[0]}@{args.port}"]  # the address is re-set per call (the session's engine)
-    if args.forward_port:
-        modes.append(f"regular@{args.forward_port}")
-    options = Options(listen_host=args.host, mode=modes, confdir=str(confdir))
+    store = SessionStore(args.journal)
+    capture = Capture(store, upstream=args.upstream, model=args.model, admin_key=args.admin_key,
+                      public_url=args.public_url, confdir=str(confdir))
+    await capture.running()
+    master = await forward_listener(args, capture, confdir) if args.forward_port else None
+    front = Front(capture, args.host, args.port, parse_size(args.body_size_limit))
+    await front.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    print(f"capture proxy: reverse on http://{args.host}:{args.port} -> {', '.join(args.upstream)}"
+          + (f", forward (HTTPS_PROXY) on {args.host}:{args.forward_port}" if args.forward_port else "")
+          + f"; {len(store.sessions)} session(s) reloaded from the journal", flush=True)
+    running = asyncio.create_task(master.run()) if master else None
+    waits = [asyncio.create_task(stopping.wait())] + ([running] if running else [])
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    await front.stop()
+    if master is not None:
+        master.shutdown()
+        await running
+    await capture.done()
+
+
+async def forward_listener(args: argparse.Namespace, capture, confdir: Path):
+    """mitmproxy's master on the forward port only, with the capture hooks (addon.py)."""
+    from mitmproxy.addons import core, errorcheck, next_layer, proxyserver, tlsconfig
+    from mitmproxy.certs import CertStore
+    from mitmproxy.master import Master
+    from mitmproxy.options import Options
+
+    from harness_trainer.proxy.addon import CaptureAddon
+
+    CertStore.from_store(confdir, "mitmproxy", 2048)  # the CA exists before /ca.pem can be asked for it
+    options = Options(listen_host=args.host, mode=[f"regular@{args.forward_port}"], confdir=str(confdir))
     # Only the addons a proxy needs: mitmproxy calls every addon on every event, and its ~35 defaults
     # (playback, blocklists, header rewriting, ...) cost more than the capture itself.
     master = Master(options, with_termlog=True)
     master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
                       errorcheck.ErrorCheck())
     master.options.update(
-        connection_strategy="lazy",  # control routes never open an upstream connection
+        connection_strategy="lazy",  # a model call is answered by the session's engine, never by the host asked
         body_size_limit=args.body_size_limit, ssl_insecure=True, keep_host_header=True,
         stream_large_bodies=None, termlog_verbosity=os.environ.get("HARNESS_PROXY_LOG_LEVEL", "warn"))
-    store = SessionStore(args.journal)
-    master.addons.add(CaptureAddon(store, upstream=args.upstream, model=args.model, admin_key=args.admin_key,
-                                   public_url=args.public_url))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, master.shutdown)
-    print(f"capture proxy: reverse on http://{args.host}:{args.port} -> {', '.join(args.upstream)}"
-          + (f", forward (HTTPS_PROXY) on {args.host}:{args.forward_port}" if args.forward_port else "")
-          + f"; {len(store.sessions)} session(s) reloaded from the journal", flush=True)
-    await master.run()
+    master.addons.add(CaptureAddon(capture))
+    return master
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,92 @@
+"""The HTTP the proxy's own front speaks (proxy/front.py, proxy/upstream.py), on raw sockets against the real
+proxy and engine: keep-alive, chunked bodies with `Expect: 100-continue`, clear errors for what is not HTTP, and
+a kept engine connection that the engine closed while it sat idle."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+from stubs import Link
+
+CALL = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+
+def _read_answer(sock: socket.socket) -> tuple[int, bytes]:
+    """One answer with a content-length, read off a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or b"!"
+        assert not data.endswith(b"!"), f"the connection closed before an answer: {data!r}"
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ")[1]), body
+
+
+def test_one_connection_carries_health_json_and_streamed_calls(proxy):
+    session = proxy.client.create_session()
+    connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    headers = {"authorization": f"Bearer {session['api_key']}", "content-type": "application/json"}
+    sockets = []
+    for method, path, body in [("GET", "/health", None), ("POST", "/v1/chat/completions", CALL),
+                               ("POST", "/v1/chat/completions", dict(CALL, stream=True)),
+                               ("POST", "/v1/chat/completions", CALL)]:
+        connection.request(method, path, body=json.dumps(body) if body else None, headers=headers)
+        answer = connection.getresponse()
+        content = answer.read()
+        assert answer.status == 200, content
+        sockets.append(connection.sock)
+        if body and body.get("stream"):
+            assert answer.getheader("transfer-encoding") == "chunked" and content.rstrip().endswith(b"[DONE]")
+    assert all(s is sockets[0] for s in sockets), "every request went over the one connection"
+    assert len(proxy.client.rollout(session["id"])["calls"]) == 3
+
+
+def test_a_chunked_body_after_100_continue_is_captured(proxy):
+    session = proxy.client.create_session()
+    body = json.dumps(CALL).encode()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                     b"content-type: application/json\r\ntransfer-encoding: chunked\r\nexpect: 100-continue\r\n\r\n"
+                     % session["api_key"].encode())
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        half = len(body) // 2
+        sock.sendall(b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:]))
+        status, answer = _read_answer(sock)
+    assert status == 200 and json.loads(answer)["choices"][0]["message"]
+    assert len(proxy.client.rollout(session["id"])["calls"]) == 1
+
+
+def test_what_is_not_http_gets_a_clear_error_and_a_closed_connection(proxy):
+    cases = [(b"HELLO\r\n\r\n", 400, "not an HTTP request line"),
+             (b"GET /health HTTP/1.1\r\nx-pad: " + b"a" * (2 << 20) + b"\r\n\r\n", 431, "headers are too long"),
+             (b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 999999999999\r\n\r\n", 413, "over the proxy"),
+             (b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: ten\r\n\r\n", 400, "bad content-length")]
+    for request, status, says in cases:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as sock:
+            sock.sendall(request)
+            got, body = _read_answer(sock)
+            assert (got, says) == (status, says) and says in json.loads(body)["error"]["message"]
+            try:  # closed after a request it could not read (reset where part of the request was left unread)
+                assert sock.recv(100) == b""
+            except ConnectionResetError:
+                pass
+
+
+def test_an_engine_connection_closed_while_idle_is_not_the_agents_failure(proxy, engine):
+    link = Link(int(engine.url.rsplit(":", 1)[1]))  # a stub hop: the engine cannot be made to reset on demand
+    session = proxy.client.create_session(upstream=link.url)
+    connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    headers = {"authorization": f"Bearer {session['api_key']}", "content-type": "application/json"}
+    for _ in range(3):
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(CALL), headers=headers)
+        answer = connection.getresponse()
+        assert answer.status == 200, answer.read()
+        answer.read()
+        link.drop()  # the proxy's kept connection to the engine is reset between two calls
+    assert len(proxy.client.rollout(session["id"])["calls"]) == 3
+    link.cut()
