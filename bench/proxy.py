@@ -8,7 +8,7 @@ neither the load generator nor the upstream is the bottleneck (docs/benchmarks.m
   * streamed time to first content chunk, proxied / direct (a Python stub streaming a token every 4 ms, one
     call at a time, so the stub is idle between tokens)
   * --memory N: the proxy's memory per rollout as calls and conversations double (N rollouts each)
-  * --profile: where a call's time goes on the proxy's core, by body size (py-spy: JSON, capture, mitmproxy, ...)
+  * --profile: where a call's time goes on the proxy's core, by body size (py-spy: JSON, HTTP, capture, ...)
 
     .venv/bin/python bench/proxy.py [--quick] [--sizes 1024 204800] [--seconds 8] [--profile [BYTES ...]] [--memory N]
 """
@@ -265,7 +265,8 @@ def measure_memory(rollouts: int, turns: int, final_bytes: int, proxy_cpus: set[
 
 # ---- where a call's time goes (py-spy on the proxy, at saturation) -----------------------------------------
 
-GROUPS = (("JSON", ("json/", "fastjson.py", "orjson")), ("capture", ("harness_trainer/",)),
+GROUPS = (("JSON", ("json/", "fastjson.py", "orjson")),
+          ("HTTP front", ("proxy/front.py", "proxy/upstream.py", "proxy/wire.py")), ("capture", ("harness_trainer/",)),
           ("mitmproxy", ("mitmproxy/",)), ("asyncio + sockets", ("asyncio/", "selectors.py", "socket.py")))
 
 
