@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import ssl
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import httpx
@@ -32,10 +34,24 @@ def proxy_python() -> str:
 
 
 class ProxyClient:
+    """The control routes, from any number of threads: each thread has an HTTP client of its own. One client
+    shared by a rollout pool's 1,024 threads lost sessions at that scale ("[Errno 9] Bad file descriptor" once its
+    pool's timeouts began under load: a connection closed by one thread under another's request)."""
+
     def __init__(self, url: str, admin_key: str | None = None, timeout_s: float = 30.0):
         self.url = url.rstrip("/")
-        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._timeout_s = timeout_s
+        self._local = threading.local()
+        self._tls = ssl.create_default_context()  # read once: every thread's client shares it
+
+    @property
+    def http(self) -> httpx.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx.Client(base_url=self.url, headers=self._headers,
+                                                       timeout=self._timeout_s, verify=self._tls)
+        return client
 
     def _call(self, method: str, path: str, **kwargs) -> dict:
         return fastjson.loads(self._body(method, path, **kwargs))  # a trace carries every token id of its rollout

@@ -20,6 +20,7 @@ session's key is still confined to that session's own routes.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from pathlib import Path
 
@@ -99,7 +100,7 @@ class ControlRoutes:
         session = store.sessions.get(session_id or "")
         if session is None:
             return _error(404, f"no session {session_id!r}")
-        return self._session(request, session, parts[2:], body)
+        return await self._session(request, session, parts[2:], body)
 
     async def _global(self, request: Request, parts: list[str], body: dict) -> Reply:
         """/engines, /policy_version, /sessions (admin only)."""
@@ -115,8 +116,10 @@ class ControlRoutes:
                                    "(the served model)")
             # sessions minted from now on start at this version (and model) too
             store.set_current(version, model)
-            for session in list(store.sessions.values()):
-                store.set_policy_version(session, version, model)
+            sessions = list(store.sessions.values())
+            for session in sessions:
+                store.set_policy_version(session, version, model, sync=False)
+            await asyncio.gather(*(store.synced(session) for session in sessions))
             return json_reply(200, {"policy_version": version, "model": store.current_model,
                                        "sessions": len(store.sessions)})
         if parts == ["policy_version"] and method == "GET":  # what the trainer needs to unload old adapters
@@ -128,7 +131,7 @@ class ControlRoutes:
             return json_reply(200, {"sessions": [s.summary() for s in store.sessions.values()]})
         return _error(404, f"no route {method} {request.path}")
 
-    def _session(self, request: Request, session, tail: list[str], body: dict) -> Reply:
+    async def _session(self, request: Request, session, tail: list[str], body: dict) -> Reply:
         """/sessions/ID[/trace|/rollout|/graph|/policy_version]: its own key may GET, the admin key all."""
         method, store = request.method, self.addon.store
         if tail == [] and method == "GET":
@@ -149,7 +152,8 @@ class ControlRoutes:
             version = body.get("policy_version")
             if not isinstance(version, int) or isinstance(version, bool):
                 return _error(400, "'policy_version' must be an integer")
-            store.set_policy_version(session, version)
+            store.set_policy_version(session, version, sync=False)
+            await store.synced(session)
             return json_reply(200, session.summary())
         return _error(404, f"no route {method} {request.path}")
 
@@ -173,5 +177,6 @@ class ControlRoutes:
             return _error(400, str(exc))
         except Exception as exc:  # the upstream could not be asked for its model
             return _error(502, f"could not ask the upstream for its served model: {exc}; pass 'model'")
+        await self.addon.store.synced(session)  # on disk before its key is handed out
         base = self.public_url or f"http://{request.host_header or request.host}"
         return json_reply(201, dict(session.summary(), api_key=session.id, base_url=f"{base}/v1"))

@@ -91,12 +91,13 @@ class Capture:
         return self.model
 
     def new_session(self, body: dict) -> Session:
-        """Called by the control routes (after `served_model` resolved the model)."""
+        """Called by the control routes (after `served_model` resolved the model), which await its journal's
+        fsync (`SessionStore.synced`) before they answer."""
         return self.store.create(
             upstream=body.get("upstream") or self.pool.pick(), model=body["model"], session_id=body.get("id"),
             policy=SamplingPolicy.from_dict(body.get("policy")), max_model_calls=body.get("max_model_calls"),
             policy_version=int(body.get("policy_version", self.store.current_version)),
-            metadata=body.get("metadata") or {})
+            metadata=body.get("metadata") or {}, sync=False)
 
     async def route(self, request: Request, *, reverse: bool) -> Reply | CallInFlight | None:
         """Fails closed: a call that did not go through the whole capture path is refused, never forwarded as
@@ -189,8 +190,14 @@ class Capture:
         except Exception as exc:  # an answer the proxy cannot read is not passed on unread
             reply = json_reply(502, call.dialect.error(
                 502, f"the engine's answer could not be read ({type(exc).__name__}: {exc})"))
+        await self.durable(call)
         await self.ended(call, reply.status)
         return reply
+
+    async def durable(self, call: CallInFlight) -> None:
+        """Before the agent gets the answer's last byte: the finished call is on disk (store.py)."""
+        if call.finished:
+            await self.store.synced(call.session)
 
     async def _answer(self, call: CallInFlight, status: int, body: bytes) -> Reply:
         for attempt in range(self.retries):

@@ -73,8 +73,8 @@ class Front:
                     return
                 if request is None or not await self._handle(request, writer, keep) or not keep:
                     return
-        except _READ_ERRORS:
-            pass  # the agent went away
+        except (*_READ_ERRORS, asyncio.CancelledError):
+            pass  # the agent went away, or the proxy is stopping
         finally:
             writer.close()
 
@@ -136,7 +136,9 @@ class Front:
             writer.write(reply_bytes(result or json_reply(404, {"error": {"message": "no such route"}}), keep))
             await writer.drain()
             return True
+
         call = result
+        call.deferred_sync = True  # the journal's fsync off the loop: awaited before the answer's last byte
         try:
             answer = await self.upstream.post(call.url, call.body, stream=call.stream)
             if call.stream and answer.status == 200:
@@ -163,14 +165,10 @@ class Front:
                          b"transfer-encoding: chunked\r\n\r\n")
             try:
                 async for data in pieces:
-                    for out in call.feed(data):
-                        writer.write(http_chunk(out))
-                    await writer.drain()
+                    await self._pass(call, call.feed(data), writer)
             except UpstreamError as exc:
-                for out in call.feed(broken_stream_event(exc)):
-                    writer.write(http_chunk(out))
-            for out in call.feed(b""):
-                writer.write(http_chunk(out))
+                await self._pass(call, call.feed(broken_stream_event(exc)), writer)
+            await self._pass(call, call.feed(b""), writer)
             writer.write(b"0\r\n\r\n")
             await writer.drain()
         finally:
@@ -179,3 +177,10 @@ class Front:
             answer.close()  # a stream's connection is never reused; if the agent went away, the engine's goes too
             await (self.capture.ended(call) if call.finished else self.capture.failed(call))
         return True
+
+    async def _pass(self, call: CallInFlight, chunks: list[bytes], writer: asyncio.StreamWriter) -> None:
+        """The agent's chunks; the ones that end a finished call wait until it is journaled."""
+        await self.capture.durable(call)
+        for out in chunks:
+            writer.write(http_chunk(out))
+        await writer.drain()

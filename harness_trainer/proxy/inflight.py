@@ -39,6 +39,7 @@ class CallInFlight:
     finished: bool = False
     failed: bool = False  # an error event was sent: no success ending may follow
     released: bool = False  # no longer counted in flight
+    deferred_sync: bool = False  # journaled at once, fsynced when the front awaits `SessionStore.synced`
 
     @property
     def url(self) -> str:
@@ -122,5 +123,5 @@ class CallInFlight:
             prompt_token_ids=c.prompt_token_ids or [], completion_token_ids=c.token_ids,
             per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
             problem=c.problem(), harness_session_id=self.harness_session_id,
-            started=self.started, finished=time.time()))
+            started=self.started, finished=time.time()), sync=not self.deferred_sync)
         c.prompt_token_ids = call.prompt_token_ids  # the flow outlives this: the call's array, not a list beside it
