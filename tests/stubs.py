@@ -207,6 +207,9 @@ class ScriptedSession:
 
         return TrainingTrace.model_validate({"turns": self.turns})
 
+    def trace_json(self) -> bytes:
+        return self.fetch_training_trace().model_dump_json().encode()
+
     def proxy_stops(self) -> list[str]:
         return []
 
