@@ -337,11 +337,11 @@ def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:
                          status="cancelled", reason="cancelled: it could not finish within max_staleness", **fields)
 
 
-# Every trace is validated and converted on this one thread: read on each rollout's own, its ~10 MB of objects
-# came from that thread's glibc arena, which kept its high water (8 arenas a core; a pool of 32 held ~1 GB). It is
-# fetched on the rollout's own thread (one bytes object, not arena-bound): the wait for the proxy's export is not
-# this thread's, which caps the rollouts a pool finishes (a 2.7 MB trace of 8 calls: ~75 ms to validate, ~35 to
-# read and share; measured at 1,024 in flight, docs/benchmarks.md).
+# Every trace is fetched, validated and converted on this one thread: read on each rollout's own, its ~10 MB of
+# objects came from that thread's glibc arena, which kept its high water (8 arenas a core; a pool of 32 held ~1 GB).
+# This thread caps the rollouts a pool finishes (a 2.7 MB trace of 8 calls: its export, ~75 ms to validate, ~35 to
+# read and share); fetched on each rollout's own thread instead, 768 rollouts waiting held their bodies (pool
+# 1.6 -> 4.7 GB at 1,024 in flight, docs/benchmarks.md).
 TRACE_READER = ThreadPoolExecutor(1, thread_name_prefix="trace-reader")
 
 
@@ -375,9 +375,8 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         wire, reason = None, session.error or ""
         if not session.error:
             try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared
-                body = session.trace_json()
-                wire = TRACE_READER.submit(read_trace, body, f"rollout {session.episode_id} ({task.name})").result()
-                del body
+                what = f"rollout {session.episode_id} ({task.name})"
+                wire = TRACE_READER.submit(lambda: read_trace(session.trace_json(), what)).result()
             except CaptureNotTrainable as exc:
                 reason = f"nothing trainable was captured: {exc}"
             except ProxyError as exc:
