@@ -25,7 +25,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -33,8 +32,7 @@ from typing import Protocol
 from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer import fastjson
-from harness_trainer._exceptions import CaptureContractError, CaptureNotTrainable, ProxyError, SandboxError
+from harness_trainer._exceptions import CaptureNotTrainable, ProxyError, SandboxError
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
 from harness_trainer.agents.sandbox import ExecResult, Sandbox
 from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
@@ -42,8 +40,8 @@ from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.rollouts.tasks import Task
+from harness_trainer.rollouts.trace_reader import TRACE_READER, read_trace, validated_trace
 from harness_trainer.rollouts.verifier import VerifierResult, verify
-from harness_trainer.traces.sharing import share_trace
 
 
 @dataclass
@@ -335,28 +333,6 @@ def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:
     not trained, but written and counted."""
     return RolloutRecord(task=task, episode_id=episode_id, outcome=HarnessRolloutOutcome(None, [], [], 0, 0, {}, False),
                          status="cancelled", reason="cancelled: it could not finish within max_staleness", **fields)
-
-
-# Every trace is fetched, validated and converted on this one thread: read on each rollout's own, its ~10 MB of
-# objects came from that thread's glibc arena, which kept its high water (8 arenas a core; a pool of 32 held ~1 GB).
-# This thread caps the rollouts a pool finishes (a 2.7 MB trace of 8 calls: its export, ~75 ms to validate, ~35 to
-# read and share); fetched on each rollout's own thread instead, 768 rollouts waiting held their bodies (pool
-# 1.6 -> 4.7 GB at 1,024 in flight, docs/benchmarks.md).
-TRACE_READER = ThreadPoolExecutor(1, thread_name_prefix="trace-reader")
-
-
-def validated_trace(body: bytes, what: str) -> TrainingTrace:
-    try:
-        return TrainingTrace.model_validate_json(body)
-    except ValueError as exc:
-        raise CaptureContractError(f"{what}: the captured trace breaks the TrainingTrace contract: {exc}") from None
-
-
-def read_trace(body: bytes, what: str) -> dict:
-    """The wire form of a trace that validates (OpenEnv's own validator), its repeats shared. The proxy writes every
-    field, so the wire form is the body as parsed: a model dumped back to a dict cost as much again."""
-    validated_trace(body, what)
-    return share_trace(fastjson.loads(body))
 
 
 def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = None,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer.rollouts.session import read_trace
+from harness_trainer.rollouts.trace_reader import read_trace
 
 REPO = Path(__file__).resolve().parents[2]
 MINI = REPO / ".venv-mini" / "bin" / "mini"

@@ -13,7 +13,7 @@ from stubs import Link
 
 from harness_trainer._exceptions import CaptureNotTrainable
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
-from harness_trainer.rollouts.session import read_trace
+from harness_trainer.rollouts.trace_reader import read_trace
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
                                           "parameters": {"type": "object",
