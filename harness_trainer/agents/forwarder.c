@@ -74,6 +74,11 @@ static void relay(int client, const char *path) {
         if (back.len == back.off && !back.eof) fds[1].events |= POLLIN;
         if (out.len > out.off) fds[1].events |= POLLOUT;
         if (back.len > back.off) fds[0].events |= POLLOUT;
+        /* A socket asked for nothing is left out: poll reports a hangup whether asked or not, and a peer that has
+         * closed after its last bytes (the proxy's answer sent) must not wake the relay while the other side is
+         * still reading what is held for it, nor end it (that truncated answers to a slow reader). */
+        for (int i = 0; i < 2; i++)
+            if (!fds[i].events) fds[i].fd = -1;
         int ready = poll(fds, 2, 1000);
         if (ready < 0 && errno != EINTR)
             break;
@@ -83,9 +88,9 @@ static void relay(int client, const char *path) {
         int back_moved = moved < 0 ? -1 : step(&back, fds[1].revents, fds[0].revents);
         if (moved < 0 || back_moved < 0)
             break;
-        /* A hangup poll reports at once and every time: when neither leg can do anything with it (a peer gone
-         * for good, the other with nothing for it), staying would spin the core until the watched process
-         * ends. No flow here was seen to reach it (a reset fails the read first); it is the guard. */
+        /* A hangup on a socket asked for something that neither leg could act on: a peer gone for good. Staying
+         * would spin the core until the watched process ends (a reset fails the read or write first, so no flow
+         * here was seen to reach it; it is the guard). */
         if (!moved && !back_moved && ((fds[0].revents | fds[1].revents) & (POLLHUP | POLLERR)))
             break;
     }

@@ -101,6 +101,38 @@ def test_it_relays_both_ways_side_by_side_and_exits_when_its_process_is_gone(hal
         proc.wait()
 
 
+def test_an_answer_the_proxy_closed_after_reaches_a_slow_reader_whole(half, tmp_path):
+    """The bridge sends a large answer and closes at once (as the proxy does after its last byte) while the agent
+    reads in small pieces: the relay holds what the agent has not read yet, and a hangup of the side that is done
+    must not end it (the compiled half once did: a 4 MB answer arrived cut, seen on a loaded fresh clone)."""
+    answer = os.urandom(16 << 20)  # past every buffer on the way, so the bridge closes while most is still held
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "flood.sock"))
+    listener.listen(1)
+
+    def flood():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(answer)
+
+    threading.Thread(target=flood, daemon=True).start()
+    watched, port = subprocess.Popen(["sleep", "3600"]), free_port()
+    proc = subprocess.Popen([*half, "--port", str(port), "--socket", str(tmp_path / "flood.sock"), "--watch",
+                             str(watched.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            got = bytearray()
+            while chunk := sock.recv(4096):
+                got += chunk
+        assert len(got) == len(answer) and got == answer
+    finally:
+        watched.kill()
+        proc.kill()
+        proc.wait()
+        listener.close()
+
+
 def test_in_the_background_it_listens_before_the_call_returns(half, upstream):
     port, watched = free_port(), subprocess.Popen(["sleep", "3600"])  # the background one ends with it
     try:

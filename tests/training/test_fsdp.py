@@ -87,7 +87,7 @@ def test_fsdp_two_ranks_match_one_and_resume_exactly(tiny_model_dir, tmp_path):
 FAILS = textwrap.dedent("""
     import json, sys
     from types import SimpleNamespace
-    from harness_trainer.rollouts.session import CaptureContractError
+    from harness_trainer._exceptions import CaptureContractError
     from harness_trainer.training.distributed import end_process
     from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
