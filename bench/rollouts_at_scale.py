@@ -44,6 +44,7 @@ from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.rollouts.pool import RolloutPool
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset
+from harness_trainer.rollouts.trace_reader import CHECKER
 from harness_trainer.serving.process import ManagedProcess, free_port
 
 HERE = Path(__file__).resolve().parent
@@ -109,6 +110,8 @@ class Sampler:
             try:
                 program = " ".join(Path(word).name for word in process.cmdline()[:4])  # compiled or Python's
                 part = "forwarders" if "forwarder" in program else "jails"
+                if "trace_check" in " ".join(process.cmdline()):  # OpenEnv's validator, the pool's own process
+                    part = "pool"
                 rss[part] += pss(process)
                 jails += process.name() == "bwrap"
             except psutil.Error:
@@ -123,6 +126,8 @@ class Sampler:
         children = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped: the jails and what ran in them
         me = resource.getrusage(resource.RUSAGE_SELF)
         cpu.update(jails=children.ru_utime + children.ru_stime, pool=me.ru_utime + me.ru_stime)
+        if CHECKER.pid:  # the pool's trace checker, not reaped until the run ends
+            cpu.update(checker=sum(psutil.Process(CHECKER.pid).cpu_times()[:2]))
         return cpu
 
 
@@ -155,6 +160,7 @@ def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
     totals = {"lost": 0, "duplicated": 0, "mixed": 0, "failed": 0, "rollouts": 0, "steady": 0.0, "kept": 0.0}
     keys: dict[str, str] = {}
     latencies: list[float] = []
+    reasons: list[str] = []  # the first failures, printed: their trials' logs stay under out/trials
     groups = args.rollouts // args.group
     with RolloutPool(factory, out, workers=args.rollouts) as pool:
         started = time.time()
@@ -167,11 +173,17 @@ def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
                 for name, n in check(record, args.calls, keys, latencies, out / "trials", args.generation_s).items():
                     totals[name] += n
                 totals["rollouts"] += 1
-                shutil.rmtree(out / "trials" / record.episode_id, ignore_errors=True)  # disk: a run keeps them
+                if record.status == "ok" and record.outcome.env_reward == 1.0:  # a failed trial keeps its logs
+                    shutil.rmtree(out / "trials" / record.episode_id, ignore_errors=True)  # disk: a run keeps them
+                elif len(reasons) < 20:
+                    reasons.append(f"{record.episode_id} {record.status}: {record.reason} "
+                                   f"(agent exit {record.agent_exit})")
             if args.minutes and time.time() - started < args.minutes * 60:
                 pool.launch(tasks[launched % len(tasks)], args.group, f"g{launched:05d}")
                 launched, totals["kept"] = launched + 1, time.time()
         elapsed = time.time() - started
+    for line in reasons:
+        print(f"failed: {line} (logs under {out / 'trials'})", file=sys.stderr)
     return totals, latencies, elapsed
 
 

@@ -40,7 +40,7 @@ from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.rollouts.tasks import Task
-from harness_trainer.rollouts.trace_reader import TRACE_READER, read_trace, validated_trace
+from harness_trainer.rollouts.trace_reader import collect_trace, validated_trace
 from harness_trainer.rollouts.verifier import VerifierResult, verify
 
 
@@ -352,7 +352,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         if not session.error:
             try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared
                 what = f"rollout {session.episode_id} ({task.name})"
-                wire = TRACE_READER.submit(lambda: read_trace(session.trace_json(), what)).result()
+                wire = collect_trace(session.trace_json, what)
             except CaptureNotTrainable as exc:
                 reason = f"nothing trainable was captured: {exc}"
             except ProxyError as exc:

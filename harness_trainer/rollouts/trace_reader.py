@@ -1,25 +1,22 @@
-"""A finished rollout's trace, fetched from the proxy, checked by OpenEnv's own validator and kept as its wire form
-with its repeats shared (traces/sharing.py), on one thread for the whole pool.
-
-OpenEnv's validator walks every token id in Python (two generator passes over prompt and completion: ~45 ms of
-a 2.7 MB trace's ~75), so more threads would not help; another process would (docs/benchmarks.md, 1,024 in
-flight)."""
+"""A finished rollout's trace: fetched from the proxy and read on one thread for the whole pool, checked by OpenEnv's
+own validator in a process of its own (trace_check.py), kept as its wire form with its repeats shared
+(traces/sharing.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer import fastjson
 from harness_trainer._exceptions import CaptureContractError
+from harness_trainer.rollouts.trace_check import Checker
 from harness_trainer.traces.sharing import share_trace
 
-# Every trace is fetched, validated and converted on this one thread: read on each rollout's own, its ~10 MB of
-# objects came from that thread's glibc arena, which kept its high water (8 arenas a core; a pool of 32 held ~1 GB).
-# This thread caps the rollouts a pool finishes (a 2.7 MB trace of 8 calls: its export, ~75 ms to validate, ~35 to
-# read and share); fetched on each rollout's own thread instead, 768 rollouts waiting held their bodies (pool
-# 1.6 -> 4.7 GB at 1,024 in flight, docs/benchmarks.md).
+# Every trace is fetched and read on this one thread: read on each rollout's own, its ~10 MB of objects came from
+# that thread's glibc arena, which kept its high water (8 arenas a core; a pool of 32 held ~1 GB); and 768 rollouts
+# fetching at once held their bodies (pool 1.6 -> 4.7 GB at 1,024 in flight, docs/benchmarks.md).
 TRACE_READER = ThreadPoolExecutor(1, thread_name_prefix="trace-reader")
 
 
@@ -30,8 +27,23 @@ def validated_trace(body: bytes, what: str) -> TrainingTrace:
         raise CaptureContractError(f"{what}: the captured trace breaks the TrainingTrace contract: {exc}") from None
 
 
-def read_trace(body: bytes, what: str) -> dict:
-    """The wire form of a trace that validates (OpenEnv's own validator), its repeats shared. The proxy writes every
-    field, so the wire form is the body as parsed: a model dumped back to a dict cost as much again."""
-    validated_trace(body, what)
-    return share_trace(fastjson.loads(body))
+CHECKER = Checker(TrainingTrace)
+
+
+def collect_trace(fetch: Callable[[], bytes], what: str) -> dict:
+    """One finished rollout's trace, on the rollout's own thread: `fetch()` and reading it on the reader thread,
+    then OpenEnv's check in the checker process while the reader reads the next. A trace that breaks the contract
+    raises CaptureContractError."""
+    def read() -> tuple[bytes, dict | None]:
+        body = fetch()
+        try:
+            return body, share_trace(fastjson.loads(body))
+        except ValueError:  # not JSON: the check says what is wrong
+            return body, None
+
+    body, wire = TRACE_READER.submit(read).result()
+    breach = CHECKER.breach(body)
+    if breach is not None or wire is None:
+        breach = breach or "it is not JSON"
+        raise CaptureContractError(f"{what}: the captured trace breaks the TrainingTrace contract: {breach}")
+    return wire

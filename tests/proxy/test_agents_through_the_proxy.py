@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openenv.core.harness.training import TrainingTrace
 
-from harness_trainer.rollouts.trace_reader import read_trace
+from harness_trainer.rollouts.trace_reader import collect_trace
 
 REPO = Path(__file__).resolve().parents[2]
 MINI = REPO / ".venv-mini" / "bin" / "mini"
@@ -88,7 +88,7 @@ def test_opencode_streaming_with_auxiliary_title_call(proxy, tmp_path):
     trace = TrainingTrace.model_validate(proxy.client.trace(session["id"]))
     assert trace.turns and all(t.metadata["n_tools"] >= 5 for t in trace.turns)
     wire = proxy.client.trace_json(session["id"])  # a real agent's turns: the body as parsed is the model's dump
-    assert read_trace(wire, "a trace") == trace.model_dump(mode="json")
+    assert collect_trace(lambda: wire, "a trace") == trace.model_dump(mode="json")
     # the text opencode printed is the text the engine sampled (and the proxy captured)
     agent_text = next(c["message"]["content"] for c in rollout["calls"] if c["role"] == "agent")
     lines = lambda text: text.replace("\r\n", "\n").replace("\r", "\n")  # noqa: E731  a terminal's line ends

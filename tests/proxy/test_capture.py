@@ -13,7 +13,7 @@ from stubs import Link
 
 from harness_trainer._exceptions import CaptureNotTrainable
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
-from harness_trainer.rollouts.trace_reader import read_trace
+from harness_trainer.rollouts.trace_reader import collect_trace
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
                                           "parameters": {"type": "object",
@@ -52,10 +52,10 @@ def test_json_capture_equals_what_vllm_returned(proxy):
     assert turn.per_token_logps == [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]]
     assert turn.metadata["n_tools"] == 1 and turn.metadata["requested_sampling_params"] == {"max_tokens": 12}
     assert turn.metadata["sampling_params"]["top_p"] == 1.0 and turn.metadata["sampling_params"]["temperature"] == 1.0
-    # the rollout pool keeps the body as parsed (rollouts/session.py: read_trace), not a model dumped back: the
+    # the rollout pool keeps the body as parsed (rollouts/trace_reader.py: collect_trace), not a model dumped back: the
     # proxy must write every field the model has, with its value as the model holds it
     wire = proxy.client.trace_json(session["id"])
-    assert read_trace(wire, "a trace") == TrainingTrace.model_validate_json(wire).model_dump(mode="json")
+    assert collect_trace(lambda: wire, "a trace") == TrainingTrace.model_validate_json(wire).model_dump(mode="json")
 
 
 def test_injected_fields_are_hidden_from_an_agent_that_did_not_ask(proxy):
