@@ -213,8 +213,9 @@ class ScriptedSession:
     def proxy_stops(self) -> list[str]:
         return []
 
-    def rollout_calls(self) -> list[dict]:
-        return []
+    def rollout_calls(self) -> list[dict]:  # as the proxy's graph gives them: a call's token counts, no ids
+        return [{"node_id": t["node_id"], "role": "agent", "prompt_tokens": len(t["prompt_token_ids"]),
+                 "completion_tokens": len(t["completion_token_ids"])} for t in self.turns]
 
     def verify(self, transcript=None, final_state=None):
         from openenv.core.harness.rollout import VerifyResult
@@ -330,6 +331,9 @@ class StubSync:
 
     def engine_metrics(self) -> dict:
         return {}
+
+    def engine_time(self) -> dict:
+        return {}  # no engine: the rollout side's idle is not reported
 
     def take_recovered(self) -> list[str]:
         return []

@@ -17,6 +17,7 @@ tells it how each call ended.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -36,16 +37,28 @@ class Engine:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     why: str = ""  # why it is lost or behind
+    # Since the proxy started: seconds with at least one call in flight, and calls in flight integrated over time
+    # (call-seconds). Their differences over a training step are the rollout side's idle (training/timing.py).
+    busy_s: float = 0.0
+    call_s: float = 0.0
+    changed: float = 0.0  # when in_flight last changed (or was counted), on the pool's clock
+
+    def count_time(self, now: float) -> None:
+        if self.in_flight > 0:
+            self.busy_s += now - self.changed
+            self.call_s += (now - self.changed) * self.in_flight
+        self.changed = now
 
     def summary(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "changed"}
 
 
 class EnginePool:
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], clock=time.monotonic):
         if not urls:
             raise ValueError("the proxy needs at least one upstream engine")
-        self.engines = {url.rstrip("/"): Engine(url.rstrip("/")) for url in urls}
+        self.clock = clock
+        self.engines = {url.rstrip("/"): Engine(url.rstrip("/"), changed=clock()) for url in urls}
 
     @property
     def first(self) -> str:
@@ -87,10 +100,12 @@ class EnginePool:
 
     def call_started(self, url: str) -> None:
         if engine := self.get(url):
+            engine.count_time(self.clock())
             engine.in_flight += 1
 
     def call_ended(self, url: str, prompt_tokens: int = 0, completion_tokens: int = 0, answered: bool = True) -> None:
         if engine := self.get(url):
+            engine.count_time(self.clock())
             engine.in_flight -= 1
             if answered:
                 engine.calls += 1
@@ -98,6 +113,9 @@ class EnginePool:
                 engine.completion_tokens += completion_tokens
 
     def summary(self) -> list[dict]:
+        now = self.clock()
+        for engine in self.engines.values():
+            engine.count_time(now)
         return [e.summary() for e in self.engines.values()]
 
     async def check(self, http: httpx.AsyncClient, url: str, version: int, model: str | None) -> bool:

@@ -346,8 +346,8 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
     try:
         exit_code = session.wait_for_completion(session.timeout_s + 60)
         if session.cancelled:
-            return cancelled_record(task.name, session.episode_id, agent_exit=exit_code,
-                                    seconds=time.perf_counter() - started)
+            return cancelled_record(task.name, session.episode_id, agent_exit=exit_code,  # its calls: what it cost
+                                    seconds=time.perf_counter() - started, calls=session.rollout_calls())
         wire, reason = None, session.error or ""
         if not session.error:
             try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared

@@ -136,6 +136,13 @@ class PolicySync:
                 for key in ("url", "state", "sessions", "calls", "in_flight", "prompt_tokens", "completion_tokens",
                             "prefix_cache_hit_rate")}
 
+    def engine_time(self) -> dict[str, tuple[float, float]]:
+        """Each engine's (busy_s, call_s) since the proxy started (proxy/engines.py); {} when the proxy cannot say."""
+        try:
+            return {e["url"]: (e["busy_s"], e["call_s"]) for e in self._proxy_engines()}
+        except Exception:  # figures only: never fail a step over them
+            return {}
+
     def _sync_one(self, url: str, version: int, weights: dict | None = None):
         """Load `version` into one engine; returns its served name, or False when, among several, that engine
         went away during the sync (the proxy fences it; it is synced again when it answers)."""

@@ -65,6 +65,7 @@ from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
 from harness_trainer.training.policy_sync import PolicySync, check_backend
 from harness_trainer.training.protocols import EngineSync, TrainablePolicy
+from harness_trainer.training.timing import StepClock, sampled_tokens
 from harness_trainer.training.trust_region import StabilityMonitor
 
 log = logging.getLogger("harness_trainer")
@@ -275,8 +276,10 @@ class HarnessAsyncGRPOTrainer:
         workers = max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)
         with RolloutPool(self.factory, self.out, workers, self._score, on_launch=self._hook("on_launch"),
                          on_rollout=self._hook("on_rollout")) as pool:  # its exit stops what is still in flight
+            clock, seconds = StepClock(self.sync.engine_time), []  # where each step's time went (timing.py)
             while self.step < args.max_steps:
-                groups, tasks, metrics = self._collect_step(pool, groups_in_flight)
+                with clock.waiting():
+                    groups, tasks, metrics = self._collect_step(pool, groups_in_flight, seconds)
                 try:
                     weights_put_back = self.sync.ensure_services(self.step)
                 except TrainingStopped:
@@ -304,15 +307,21 @@ class HarnessAsyncGRPOTrainer:
                         raise
                     metrics["probe_gap"] = self.sync.last_probe_gap
                     metrics["cancelled_in_flight"] = pool.cancel_stale(self.version, args.max_staleness)
+                metrics |= clock.figures(metrics, seconds, groups_in_flight * args.num_generations)
+                seconds.clear()
                 self._end_step(metrics, tasks)
         return self.history
 
-    def _collect_step(self, pool: RolloutPool, groups_in_flight: int) -> tuple[list, list[str], dict]:
+    def _collect_step(self, pool: RolloutPool, groups_in_flight: int, seconds: list[float]
+                      ) -> tuple[list, list[str], dict]:
         """A step's groups_per_step groups, oldest first, the pool kept full. A group with a rollout more than
         max_staleness versions old (or cancelled) is dropped and counted; with dynamic_sampling so is a group
-        whose rewards are all equal, and each dropped group is replaced by the next, up to the cap."""
+        whose rewards are all equal, and each dropped group is replaced by the next, up to the cap. Each collected
+        rollout's seconds go to `seconds`; the tokens sampled for each group, kept or not, to the metrics."""
         args = self.args
-        groups, tasks, metrics = [], [], {"dropped_stale": 0, "cancelled": 0, "staleness": 0}
+        groups, tasks = [], []
+        metrics = {"dropped_stale": 0, "cancelled": 0, "staleness": 0, "sampled_tokens": 0,
+                   "discarded_tokens/stale": 0, "discarded_tokens/flat": 0}
         tries = args.groups_per_step * (args.dynamic_sampling_max_tries if args.dynamic_sampling else 1)
         looked = 0
         while len(groups) < args.groups_per_step and looked < tries:
@@ -320,6 +329,8 @@ class HarnessAsyncGRPOTrainer:
                 task = self._next_task()
                 pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}", self.version)
             group, looked = pool.next(), looked + 1
+            seconds += [r.seconds for r in group.records]
+            sampled = sampled_tokens(group.records)
             versions = [v for r in group.records for v in r.policy_versions]
             staleness = self.version - min(versions) if versions else self.version - group.launched
             metrics["staleness"] = max(metrics["staleness"], staleness)
@@ -327,10 +338,13 @@ class HarnessAsyncGRPOTrainer:
             if staleness > args.max_staleness or cancelled:
                 metrics["dropped_stale"] += 1
                 metrics["cancelled"] += cancelled
+                metrics["discarded_tokens/stale"] += sampled
             elif args.dynamic_sampling and group_advantages(
                     [r.group_reward for r in group.records]).zero_variance:
                 metrics["dynamic_skipped"] = metrics.get("dynamic_skipped", 0) + 1
+                metrics["discarded_tokens/flat"] += sampled
             else:
+                metrics["sampled_tokens"] += sampled
                 groups.append(group.records)
                 tasks.append(group.task.name)
         if args.dynamic_sampling:

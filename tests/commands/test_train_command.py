@@ -45,6 +45,11 @@ def test_two_step_smoke_run_leaves_a_servable_checkpoint_and_nothing_running(smo
     assert summary["steps"] == 2 and summary["policy_version"] == 3
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert len((out / "rollouts.jsonl").read_text().splitlines()) == 4
+    # where each step's time went, the engine's side read from the real proxy (training/timing.py)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for step in steps:
+        assert 0 <= step["trainer/idle_ratio"] <= 1 and 0 <= step["rollouter/idle_ratio"] <= 1
+        assert step["sampled_tokens"] > 0 and step["calls_in_flight_mean"] > 0 and step["ideal_speedup"] >= 1
     # The checkpoint is a folder vLLM serves: its tokenizer is there, and the engine scores as transformers does.
     checkpoint = out / "checkpoint-2"
     assert (checkpoint / "tokenizer.json").exists() and (checkpoint / "chat_template.jinja").exists()

@@ -113,6 +113,8 @@ def test_the_viewer_shows_the_smoke_run_in_a_real_browser(smoke_run, served, bro
           f"return document.querySelectorAll('#rollout-table tbody tr[data-rollout]').length === {len(records)}")
     assert sorted(_visible_tasks(browser)) == sorted(r["task"] for r in records)
     assert _wait(browser, "return document.querySelectorAll('#charts .chart').length") >= 3  # reward, groups, sync...
+    titles = browser.execute_script("return [...document.querySelectorAll('#charts .gtitle')].map(t => t.textContent)")
+    assert {"Where the time goes (s), per step", "Idle and overlap, per step"} <= set(titles), titles
 
     # filtering: by task (the select), then by the search box
     task = records[0]["task"]

@@ -55,6 +55,23 @@ def test_the_pool_picks_the_least_loaded_ready_engine_and_fences_a_lost_one():
         EnginePool([])
 
 
+def test_each_engine_counts_its_busy_time_and_its_call_seconds():
+    """On a clock the test moves: busy while a call is in flight, call-seconds summed over the calls in flight (the
+    trainer reads their differences over a step as the rollout side's idle, training/timing.py)."""
+    now = [0.0]
+    pool = EnginePool(["http://a", "http://b"], clock=lambda: now[0])
+    for t, event in ((1, "start"), (2, "start"), (4, "end"), (5, "end")):
+        now[0] = t
+        pool.call_started("http://a") if event == "start" else pool.call_ended("http://a")
+    now[0] = 7
+    (a, b) = pool.summary()
+    assert (a["busy_s"], a["call_s"], a["in_flight"], a["calls"]) == (4.0, 1 + 2 * 2 + 1, 0, 2)
+    assert (b["busy_s"], b["call_s"]) == (0.0, 0.0) and "changed" not in a
+    pool.call_started("http://b")
+    now[0] = 9.5
+    assert pool.summary()[1]["busy_s"] == 2.5  # a call still in flight counts up to the reading
+
+
 def test_prometheus_counters_are_summed_over_labels():
     text = ('# HELP vllm:prefix_cache_hits_total x\nvllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 30.0\n'
             'vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 12.0\nvllm:prefix_cache_queries_total 84.0\n')

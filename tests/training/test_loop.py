@@ -53,6 +53,11 @@ def test_each_step_trains_one_group_then_syncs_and_saves(tmp_path):
     assert len(lines(tmp_path / "run" / "rollouts.jsonl")) == 6 and run.sync.closed
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert run.factory.sampling.training and run.factory.sampling.max_tokens_cap == 256  # its SamplingPolicy
+    # where each step's time went (training/timing.py): the stub sync has no engine, so no rollout-side idle
+    for h in history:
+        assert h["sampled_tokens"] == 4 and h["discarded_tokens/stale"] == h["discarded_tokens/flat"] == 0
+        assert 0 <= h["trainer/idle_ratio"] <= 1 and h["wait_for_groups_s"] <= h["step_time_s"]
+        assert h["generation_s"] >= 0 and "rollouter/idle_ratio" not in h
 
 
 def test_a_group_that_can_no_longer_finish_in_time_is_cancelled_then_dropped(tmp_path):
@@ -67,6 +72,8 @@ def test_a_group_that_can_no_longer_finish_in_time_is_cancelled_then_dropped(tmp
     assert history[0]["cancelled_in_flight"] == 2 and history[0]["task"] == "fast"
     # the step collects one group (groups_per_step) and it is the stale one: nothing is trained on it
     assert history[1]["dropped_stale"] == 1 and history[1]["cancelled"] == 2 and history[1]["task"] == ""
+    # what the cancelled rollouts had sampled (their calls, read from the proxy as they were stopped) is counted
+    assert history[1]["discarded_tokens/stale"] == 4 and history[1]["sampled_tokens"] == 0
     assert [step for step, _ in run.policy.steps] == [0]
     statuses = [r["status"] for r in lines(tmp_path / "run" / "rollouts.jsonl") if r["task"] == "slow"]
     assert statuses.count("cancelled") >= 2 and not slow.is_set()
@@ -110,6 +117,7 @@ def test_dynamic_sampling_replaces_groups_without_a_gradient_up_to_its_cap(tmp_p
     history = run.train()
     assert [h["task"] for h in history] == ["b", "b"]  # "a" (all 0) was skipped each time
     assert history[0]["dynamic_skipped"] == 1 and history[0]["groups_collected"] == 2
+    assert history[0]["discarded_tokens/flat"] == 2 and history[0]["sampled_tokens"] == 2  # one token a rollout
 
     only_a = trainer(tmp_path / "cap", ScriptedSessions(only_b_varies), tasks=("a",), max_steps=1,
                      dynamic_sampling=True, dynamic_sampling_max_tries=3)

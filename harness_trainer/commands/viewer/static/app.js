@@ -47,7 +47,10 @@ function showError(err) { $("error").hidden = false; $("error").textContent = St
 const PANELS = [
   ["Reward", (k) => ["reward_mean", "reward_max", "verifier_reward_mean"].includes(k) || k.startsWith("rewards/")],
   ["Groups", (k) => ["zero_variance_groups", "dropped_stale", "cancelled", "cancelled_in_flight", "failed"].includes(k)],
-  ["Staleness and weight sync", (k) => ["staleness", "weight_sync_time_s", "train_time_s"].includes(k)],
+  ["Where the time goes (s)", (k) => ["step_time_s", "wait_for_groups_s", "train_time_s", "weight_sync_time_s", "generation_s"].includes(k)],
+  ["Idle and overlap", (k) => k.endsWith("idle_ratio") || ["ideal_speedup", "calls_in_flight_mean"].includes(k)],
+  ["Sampled tokens, trained and discarded", (k) => k === "sampled_tokens" || k.startsWith("discarded_tokens/")],
+  ["Staleness", (k) => k === "staleness"],
   ["Tokens", (k) => ["trained_tokens", "completion_tokens_mean", "tree_tokens", "row_tokens"].includes(k) || k.includes("micro")],
   ["Stability", (k) => ["loss", "grad_norm", "probe_gap", "behaviour_kl_k3", "behaviour_kl"].includes(k) || /^(entropy|step_)/.test(k)],
   ["Policy ratios and clipping", (k) => /^(behaviour_|clip_|ratio_|is_)/.test(k)],
