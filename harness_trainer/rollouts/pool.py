@@ -149,7 +149,7 @@ class RolloutPool:
 
     def cancel_stale(self, version: int, max_staleness: int) -> int:
         """Stop the groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
-        return sum(g.cancel() for g in self.pending if version - g.launched > max_staleness)
+        return sum(g.cancel() for g in self.pending if version - g.launched > max_staleness and not g.done())
 
     def cancel_all(self) -> int:
         return sum(g.cancel() for g in self.pending)

@@ -325,9 +325,7 @@ class HarnessAsyncGRPOTrainer:
         tries = args.groups_per_step * (args.dynamic_sampling_max_tries if args.dynamic_sampling else 1)
         looked = 0
         while len(groups) < args.groups_per_step and looked < tries:
-            while len(pool.pending) < groups_in_flight:
-                task = self._next_task()
-                pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}", self.version)
+            self._fill(pool, groups_in_flight, args.groups_per_step - len(groups))
             group, looked = pool.next(), looked + 1
             seconds += [r.seconds for r in group.records]
             sampled = sampled_tokens(group.records)
@@ -347,6 +345,8 @@ class HarnessAsyncGRPOTrainer:
                 metrics["sampled_tokens"] += sampled
                 groups.append(group.records)
                 tasks.append(group.task.name)
+        if self.step + 1 < args.max_steps:  # one step off (verl's pipeline): the next step's groups generate
+            self._fill(pool, min(groups_in_flight, args.groups_per_step), 0)  # while this one trains
         if args.dynamic_sampling:
             metrics["groups_collected"] = looked
             if len(groups) < args.groups_per_step:
@@ -354,6 +354,14 @@ class HarnessAsyncGRPOTrainer:
                                        f"train after {looked} collected (the cap, dynamic_sampling_max_tries "
                                        f"{args.dynamic_sampling_max_tries}); the step trains on those"]
         return groups, tasks, metrics
+
+    def _fill(self, pool: RolloutPool, groups_in_flight: int, needed: int) -> None:
+        """Keep groups_in_flight groups in flight; the synchronous loop (max_staleness 0) launches only the `needed`
+        groups of the step being collected: one launched ahead would be one version old at the sync, and dropped."""
+        args = self.args
+        while len(pool.pending) < (groups_in_flight if args.max_staleness > 0 else needed):
+            task = self._next_task()
+            pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}", self.version)
 
     def _hook(self, name: str):
         return (lambda payload: self._notify(name, payload)) if self.callbacks else None

@@ -61,22 +61,33 @@ def test_each_step_trains_one_group_then_syncs_and_saves(tmp_path):
 
 
 def test_a_group_that_can_no_longer_finish_in_time_is_cancelled_then_dropped(tmp_path):
-    """max_staleness 0: the group launched beside step 1's is one version behind once step 1 syncs; it is
-    stopped at once (held forever otherwise), and the next step drops it."""
+    """max_staleness 1, three groups in flight, one step's group each: the "slow" group, launched with step 1's, is
+    two versions behind once step 2 syncs; it is stopped then (held forever otherwise), and step 3 drops it."""
     sync = StubSync()
     slow = threading.Event()  # never set: only the cancel ends these rollouts
     sessions = ScriptedSessions(rewarded, version=lambda: sync.version, held={"slow": slow})
-    run = trainer(tmp_path, sessions, sync, tasks=("fast", "slow"), max_staleness=0, max_concurrent_rollouts=4,
-                  max_steps=2)
+    run = trainer(tmp_path, sessions, sync, tasks=("a", "b", "slow"), max_staleness=1, max_concurrent_rollouts=6)
     history = run.train()
-    assert history[0]["cancelled_in_flight"] == 2 and history[0]["task"] == "fast"
+    # (a finished group as old is not stopped: it is dropped when collected; whether "a" of step 1's fill has
+    # finished by then is the machine's business, so the count is at least the slow group's two)
+    assert history[0]["cancelled_in_flight"] == 0 and history[1]["cancelled_in_flight"] >= 2
+    assert history[1]["task"] == "b"
     # the step collects one group (groups_per_step) and it is the stale one: nothing is trained on it
-    assert history[1]["dropped_stale"] == 1 and history[1]["cancelled"] == 2 and history[1]["task"] == ""
-    # what the cancelled rollouts had sampled (their calls, read from the proxy as they were stopped) is counted
-    assert history[1]["discarded_tokens/stale"] == 4 and history[1]["sampled_tokens"] == 0
-    assert [step for step, _ in run.policy.steps] == [0]
+    assert history[2]["dropped_stale"] == 1 and history[2]["cancelled"] == 2 and history[2]["task"] == ""
+    assert [step for step, _ in run.policy.steps] == [0, 1]
     statuses = [r["status"] for r in lines(tmp_path / "run" / "rollouts.jsonl") if r["task"] == "slow"]
     assert statuses.count("cancelled") >= 2 and not slow.is_set()
+    # what the cancelled rollouts had sampled (their calls, read from the proxy as they were stopped) is counted
+    assert history[2]["discarded_tokens/stale"] == 4 and history[2]["sampled_tokens"] == 0
+
+
+def test_the_synchronous_loop_launches_only_what_its_step_needs(tmp_path):
+    """max_staleness 0: a group launched ahead would be a version old at the sync, so none is: every rollout is
+    trained on and nothing is discarded, however many rollouts may be in flight."""
+    run = trainer(tmp_path, max_staleness=0, max_concurrent_rollouts=8)
+    history = run.train()
+    assert len(lines(tmp_path / "run" / "rollouts.jsonl")) == 6 and len(run.factory.created) == 6
+    assert all(h["dropped_stale"] == h["cancelled_in_flight"] == h["discarded_tokens/stale"] == 0 for h in history)
 
 
 def test_a_resumed_run_trains_every_step_once_from_the_checkpoint(tmp_path):

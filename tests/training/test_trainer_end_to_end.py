@@ -58,7 +58,8 @@ def test_policy_version_on_captured_turns_advances(fresh_engine, proxy, tiny_mod
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, config(tmp_path, fresh_engine, max_steps=3),
                                       [load_task(say_task(tmp_path))])
     trainer.train()
-    assert seen_versions[0] == 1 and seen_versions == sorted(seen_versions) and seen_versions[-1] >= 3
+    # each step's group is launched while the step before it trains (one step off): at that step's version
+    assert seen_versions[0] == 1 and seen_versions == sorted(seen_versions) and seen_versions[-1] >= 2
 
 
 def test_failed_rollouts_do_not_stop_training(fresh_engine, proxy, tiny_model_dir, tmp_path):
@@ -89,14 +90,17 @@ def test_two_groups_per_step_in_the_real_loop(fresh_engine, proxy, tiny_model_di
 
 
 def test_stale_in_flight_rollouts_are_cancelled_not_finished(fresh_engine, proxy, tiny_model_dir, tmp_path):
-    """With max_staleness 0, a group still running when the weights move is stopped at once."""
-    tasks = [load_task(say_task(tmp_path, "fast")), load_task(say_task(tmp_path, "slow", "Say something slow.", 3600))]
+    """With max_staleness 1 and three groups in flight, the slow group launched with step 1's is stopped as soon
+    as it is two versions behind (at step 2's sync), and step 3 drops it."""
+    tasks = [load_task(say_task(tmp_path, "fast")), load_task(say_task(tmp_path, "two", "Say something else.")),
+             load_task(say_task(tmp_path, "slow", "Say something slow.", 3600))]
     factory = partial(LocalSessionFactory, proxy=proxy.client, harness=NEVER_ENDING_WHEN_SLOW,
                       output_dir=tmp_path / "r")
     # the slow agents never end by themselves: the run ends only because they are cancelled
     history = HarnessAsyncGRPOTrainer(str(tiny_model_dir), factory, config(
-        tmp_path, fresh_engine, max_staleness=0, max_concurrent_rollouts=4), tasks).train()
-    assert history[0]["cancelled_in_flight"] == 2 and history[1]["dropped_stale"] and history[1]["cancelled"] == 2
+        tmp_path, fresh_engine, max_staleness=1, max_concurrent_rollouts=6, max_steps=3), tasks).train()
+    assert history[0]["cancelled_in_flight"] == 0 and history[1]["cancelled_in_flight"] >= 2
+    assert history[2]["dropped_stale"] == 1 and history[2]["cancelled"] == 2
 
 
 def test_a_stopped_pool_writes_what_finished_and_stops_what_runs(proxy, tmp_path):
