@@ -92,7 +92,7 @@ class TimedSync:
         return {}
 
     def engine_time(self) -> dict:
-        return {e["url"]: (e["busy_s"], e["call_s"]) for e in self.proxy.engines()}
+        return {e["url"]: (e["busy_s"], e["call_s"]) for e in self.proxy.engines(cache=False)}
 
     def take_recovered(self) -> list[str]:
         return []
@@ -105,7 +105,7 @@ def one_loop(args, factory, tasks, out: Path, train_s: float, max_staleness: int
     config = AsyncGRPOConfig(output_dir=str(out), vllm_server_base_url="http://stub", num_generations=args.group,
                              groups_per_step=args.groups_per_step, max_staleness=max_staleness,
                              max_concurrent_rollouts=args.group * args.groups_per_step, max_steps=steps,
-                             save_steps=10 ** 6, shuffle_dataset=False, report_to="none")
+                             save_steps=10 ** 6, shuffle_dataset=False)
     sync = TimedSync(factory.keywords["proxy"], args.sync_s)
     trainer = HarnessAsyncGRPOTrainer(None, factory, config, tasks, policy=TimedPolicy(train_s), sync=sync)
     history = trainer.train()

@@ -99,10 +99,10 @@ class ProxyClient:
         """The current version and model, and how many calls are in flight per model name."""
         return self._call("GET", "/policy_version")
 
-    def engines(self) -> list[dict]:
-        """Each engine behind the proxy: url, state (ready, lost, behind), sessions, calls, tokens, in flight
-        and its prefix-cache hit rate."""
-        return self._call("GET", "/engines")["engines"]
+    def engines(self, cache: bool = True) -> list[dict]:
+        """Each engine behind the proxy: url, state (ready, lost, behind), sessions, calls, tokens, in flight,
+        busy and call seconds, and (cache) its prefix-cache hit rate, which asks each engine's /metrics."""
+        return self._call("GET", "/engines" if cache else "/engines?cache=0")["engines"]
 
 
 class ProxyServer:

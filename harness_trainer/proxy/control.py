@@ -10,7 +10,8 @@
   DELETE /sessions/{id}                  forget a session and its journal                   (admin)
   POST   /sessions/{id}/policy_version   {"policy_version": N} for one session              (admin)
   POST   /policy_version                 {"policy_version": N} for every session            (admin)
-  GET    /engines                        each engine: state, sessions, calls, tokens, prefix-cache hits (admin)
+  GET    /engines[?cache=0]              each engine: state, sessions, calls, tokens, busy seconds, prefix-cache
+                                         hits (not with cache=0: those ask each engine)              (admin)
   GET    /v1/models                      the served model                                   (a session key)
   GET    /ca.pem                         the CA certificate for forward (HTTPS_PROXY) mode  (open)
 
@@ -105,7 +106,9 @@ class ControlRoutes:
     async def _global(self, request: Request, parts: list[str], body: dict) -> Reply:
         """/engines, /policy_version, /sessions (admin only)."""
         method, store = request.method, self.addon.store
-        if parts == ["engines"] and method == "GET":
+        if parts == ["engines"] and method == "GET":  # ?cache=0: the proxy's own counts, no engine asked
+            if request.path.partition("?")[2] == "cache=0":
+                return json_reply(200, {"engines": self.addon.pool.summary()})
             return json_reply(200, {"engines": await self.addon.pool.metrics(self.addon.http)})
         if parts == ["policy_version"] and method == "POST":
             version, model = body.get("policy_version"), body.get("model")

@@ -119,15 +119,16 @@ class PolicySync:
             return [url]
         return [e["url"] for e in engines if lost_too or e["state"] != "lost"] or [url]
 
-    def _proxy_engines(self) -> list[dict]:
-        """The engines behind the run's proxy, as it reports them (none without a proxy)."""
-        return self.proxy.engines() if self.proxy is not None and hasattr(self.proxy, "engines") else []
+    def _proxy_engines(self, cache: bool = False) -> list[dict]:
+        """The engines behind the run's proxy, as it reports them (none without a proxy); `cache`: with their
+        prefix-cache figures, which the proxy asks each engine for."""
+        return self.proxy.engines(cache) if self.proxy is not None and hasattr(self.proxy, "engines") else []
 
     def engine_metrics(self) -> dict:
         """With several engines behind the proxy, each one's figures as engine{i}/{name}: state, sessions, calls,
         tokens, calls in flight and prefix-cache hit rate (vLLM's own counter, since the engine started)."""
         try:
-            engines = self._proxy_engines()
+            engines = self._proxy_engines(cache=True)
         except Exception:  # figures only: never fail a step over them
             return {}
         if len(engines) < 2:
