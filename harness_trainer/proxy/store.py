@@ -72,12 +72,26 @@ class SessionStore:
 
     async def synced(self, session: Session) -> None:
         """Returns once everything written to the session's journal is on disk (the fsync off the event loop)."""
-        while session.id in self.unsynced or session.id in self._syncing:
-            if (running := self._syncing.get(session.id)) is None:
-                self.unsynced.discard(session.id)  # what is written from here on waits for the next fsync
-                running = self._syncing[session.id] = asyncio.ensure_future(asyncio.to_thread(self._fsync, session.id))
-                running.add_done_callback(lambda _, sid=session.id: self._syncing.pop(sid, None))
+        sid = session.id
+        while True:
+            running = self._syncing.get(sid)
+            if running is not None and running.done():
+                # Finished, its callbacks maybe not run yet: awaiting a finished future does not yield to the loop,
+                # so waiting here for the callback to forget it spun forever (the whole proxy hung, seen under load).
+                self._forget(sid, running)
+                running.result()  # an fsync that failed fails its waiters
+                running = None
+            if running is None:
+                if sid not in self.unsynced:
+                    return
+                self.unsynced.discard(sid)  # what is written from here on waits for the next fsync
+                running = self._syncing[sid] = asyncio.ensure_future(asyncio.to_thread(self._fsync, sid))
+                running.add_done_callback(lambda done: self._forget(sid, done))
             await asyncio.shield(running)
+
+    def _forget(self, session_id: str, done: asyncio.Future) -> None:
+        if self._syncing.get(session_id) is done:  # not a newer fsync of the same file
+            del self._syncing[session_id]
 
     def set_current(self, version: int, model: str | None) -> None:
         """The version (and model) sessions minted from now on start at."""

@@ -73,3 +73,30 @@ def test_a_record_written_during_an_fsync_waits_for_the_next(tmp_path, monkeypat
 
     assert asyncio.run(scenario()) == 2
     assert store.unsynced == set()
+
+
+def test_a_finished_fsync_whose_callbacks_have_not_run_does_not_hang_the_loop(tmp_path):
+    """The state a waiter can find when the fsync's future finished in the same turn of the loop, before its done
+    callbacks ran: `synced` must return (it spun forever, and the proxy with it: found by the fuzzer beside a CPU
+    hog). The state is built directly; the loop runs in a thread so that a spin fails the test instead of it."""
+    store = SessionStore(tmp_path)
+    session = store.create(upstream="http://engine", model="tiny", session_id="s1", sync=False)
+    returned = threading.Event()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        finished.set_result(None)  # done; the callback that would forget it never runs (none was added)
+        store.unsynced.discard(session.id)
+        store._syncing[session.id] = finished
+        await store.synced(session)
+        returned.set()
+        store.record(session, _call(0), sync=False)  # and the next write is synced by a new fsync
+        await store.synced(session)
+        assert session.id not in store.unsynced and session.id not in store._syncing
+
+    thread = threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True)
+    thread.start()
+    thread.join(60)  # a bound for a spinning loop only: the scenario itself takes milliseconds
+    assert returned.is_set() and not thread.is_alive()
+    assert [line for line in (tmp_path / "s1.jsonl").read_text().splitlines() if '"call"' in line]
