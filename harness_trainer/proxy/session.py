@@ -183,6 +183,8 @@ def rollout_document(session: Session, ids: bool = True) -> dict:
     return {"session": session.summary(), "calls": calls, "roots": roots}
 
 
+# The model never acted in the rollout: its score says nothing of the policy (rollouts/session.py: unscorable).
+NO_AGENT_TURNS = "no agent turns were captured"
 GRAPH_LEAVES_OUT = ("prompt_token_ids", "completion_token_ids", "per_token_logps", "request", "message")
 
 
@@ -191,7 +193,7 @@ def training_trace(session: Session) -> dict:
     doc = rollout_document(session)
     agent = [c for c in doc["calls"] if c["role"] == "agent"]
     if not agent:
-        raise NotTrainable("no agent turns were captured: wrong base URL, unresolved model, or auth rejected")
+        raise NotTrainable(f"{NO_AGENT_TURNS}: wrong base URL, unresolved model, or auth rejected")
     broken = [c for c in agent if c["problem"]]
     if broken:
         raise NotTrainable(f"call {broken[0]['index']} has no exact capture: {broken[0]['problem']}")

@@ -39,6 +39,7 @@ from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_addre
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
+from harness_trainer.proxy.session import NO_AGENT_TURNS
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.trace_reader import collect_trace, validated_trace
 from harness_trainer.rollouts.verifier import VerifierResult, verify
@@ -348,13 +349,13 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         if session.cancelled:
             return cancelled_record(task.name, session.episode_id, agent_exit=exit_code,  # its calls: what it cost
                                     seconds=time.perf_counter() - started, calls=session.rollout_calls())
-        wire, reason = None, session.error or ""
+        wire, reason, untouched = None, session.error or "", False
         if not session.error:
             try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared
                 what = f"rollout {session.episode_id} ({task.name})"
                 wire = collect_trace(session.trace_json, what)
             except CaptureNotTrainable as exc:
-                reason = f"nothing trainable was captured: {exc}"
+                reason, untouched = f"nothing trainable was captured: {exc}", NO_AGENT_TURNS in str(exc)
             except ProxyError as exc:
                 reason = f"could not fetch the trace: {exc}"
         stops = session.proxy_stops()
@@ -369,7 +370,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         truncated = _truncation(session, stops, wire)
         verified = session.verify(session.report.completion)
         calls = session.rollout_calls()
-        if session.error or lost:
+        if session.error or lost or untouched:  # untouched: the model never acted, a 0 would be the harness's
             status = "unscorable"
         elif verified.env_reward is None and not verified.metrics.get("scored_later"):
             status, reason = "unscorable", reason or verified.metrics.get("verifier", "")

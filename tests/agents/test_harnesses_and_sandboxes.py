@@ -207,6 +207,12 @@ def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
         "no-such-agent-program {instruction}"), output_dir=tmp_path), toy())  # a bare name: the sandbox's PATH
     assert not_started.status == "unscorable" and "did not start" in not_started.reason
     assert not_started.outcome.env_reward is None and not_started.training_trace is None
+    # an agent that ran and ended before the model ever answered it (found at 1,024 in flight: its first call
+    # failed in transport): the verifier's 0 is the harness's, not the policy's
+    untouched = run_rollout(LocalSessionFactory(proxy=proxy.client, harness=CommandHarness(
+        "sh -c 'exit 1' {instruction}"), output_dir=tmp_path), toy())
+    assert untouched.status == "unscorable" and "no agent turns were captured" in untouched.reason
+    assert untouched.outcome.env_reward is None and untouched.agent_exit == 1
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     no_sandbox = run_rollout(command_factory(proxy, tmp_path, "true", sandbox="e2b"), toy())
     assert no_sandbox.status == "unscorable" and "E2B_API_KEY" in no_sandbox.reason
