@@ -48,6 +48,7 @@ bench: setup
 	$(PY) bench/rollouts.py
 	$(PY) bench/sandboxes.py
 	$(PY) bench/trainer.py
+	$(PY) bench/pipeline.py
 
 clean:
 	rm -rf .venv .venv-engine .venv-proxy .venv-mini .venv-harbor .tools .setup-stamps
