@@ -1,7 +1,7 @@
 """The rollout side at the scale of real runs: N rollouts in flight at once, every part real but the model.
 
     .venv/bin/python bench/rollouts_at_scale.py --rollouts 1024 [--calls 8] [--final-kb 200] [--generation-s 2]
-                                                [--minutes 10] [--group 16] [--no-journal]
+                                                [--minutes 10] [--settle-minutes 0] [--group 16] [--no-journal]
                                                 [--sandbox docker] [--sigkill-after SECONDS]
 
 Each rollout is a scripted agent (bench/scripted_agent.py: CALLS model calls, the conversation growing to FINAL_KB,
@@ -204,7 +204,9 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
     # start, traces are fetched and verified) to its last minute (the last launch; then the run winds down).
     # Before that the first wave is only growing its conversations and nothing has ended: a first minute taken
     # there counts the ramp as growth.
-    since, until = totals.pop("steady"), totals.pop("kept") or float("inf")
+    # --settle-minutes: the pool's PSS climbs for minutes after the first group is collected while finished
+    # rollouts wait for their groups' stragglers (a plateau, not growth); the window may start after it.
+    since, until = totals.pop("steady") + args.settle_minutes * 60, totals.pop("kept") or float("inf")
     steady = [s for s in samples if since <= s["t"] <= until] or samples
     first = [s for s in steady if s["t"] - steady[0]["t"] < 60]
     last = [s for s in steady if steady[-1]["t"] - s["t"] < 60]
@@ -220,6 +222,7 @@ def report(args, totals: dict, latencies: list[float], elapsed: float, sampler: 
         "peak_fds_proxy": max(s["fds_proxy"] for s in samples), "peak_jails": max(s["bwrap"] for s in samples),
         "pss_first_minute_mb": total(first), "pss_last_minute_mb": total(last), **totals}
     result["memory_growth"] = result["pss_last_minute_mb"] / result["pss_first_minute_mb"] - 1
+    result["settle_minutes"] = args.settle_minutes
     part = lambda ss, name: statistics.mean(s["rss"][name] for s in ss)  # noqa: E731
     result["memory_growth_by_part"] = {name: part(last, name) / part(first, name) - 1 if part(first, name) else None
                                        for name in samples[0]["rss"]}  # None: a part this run has none of
@@ -267,6 +270,8 @@ def main() -> None:
     parser.add_argument("--final-kb", type=int, default=200, help="the conversation's size at the last call")
     parser.add_argument("--generation-s", type=float, default=2.0, help="the stub engine's time per answer")
     parser.add_argument("--minutes", type=float, default=0, help="keep the rollouts in flight this long")
+    parser.add_argument("--settle-minutes", type=float, default=0,
+                        help="memory growth measured from this long after the first group is collected")
     parser.add_argument("--no-journal", action="store_true", help="the proxy without its journal")
     parser.add_argument("--out", type=Path, default=None, help="where the run's files go (a temporary folder)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
