@@ -23,10 +23,12 @@ SAY = textwrap.dedent("""
     open("/app/answer.txt", "w").write(answer)
 """)
 SAY_HARNESS = CommandHarness(f"python3 -c {shlex.quote(SAY)} {{instruction}}")
-# An agent that, told to be slow, never ends by itself (its task's timeout is an hour): a test whose run ends
-# proves it was stopped, whatever the machine's speed (a 120 s sleep under a 60 s timeout raced the step).
-NEVER_ENDING_WHEN_SLOW = CommandHarness(f"case {{instruction}} in *slow*) sleep 3600;; esac; "
-                                        f"python3 -c {shlex.quote(SAY)} {{instruction}}")
+# An agent that, told to be slow, never ends by itself after its one call (its task's timeout is an hour): a test
+# whose run ends proves it was stopped, whatever the machine's speed (a 120 s sleep under a 60 s timeout raced the
+# step). It calls the model first: a sync stops a rollout by the version of its oldest turn, and one with no turn
+# yet goes on (rollouts/pool.py: cancel_stale).
+NEVER_ENDING_WHEN_SLOW = CommandHarness(f"python3 -c {shlex.quote(SAY)} {{instruction}}; "
+                                        f"case {{instruction}} in *slow*) sleep 3600;; esac")
 
 
 def say_task(root: Path, name: str = "say", instruction: str = "Say something.", agent_timeout_s: int = 60) -> Path:

@@ -213,6 +213,9 @@ class ScriptedSession:
     def proxy_stops(self) -> list[str]:
         return []
 
+    def first_version(self) -> int | None:  # the version its first call was stamped with, as the proxy says
+        return min((t["metadata"]["policy_version"] for t in self.turns), default=None)
+
     def rollout_calls(self) -> list[dict]:  # as the proxy's graph gives them: a call's token counts, no ids
         return [{"node_id": t["node_id"], "role": "agent", "prompt_tokens": len(t["prompt_token_ids"]),
                  "completion_tokens": len(t["completion_token_ids"])} for t in self.turns]

@@ -113,6 +113,7 @@ class Session:
                 "max_model_calls": self.max_model_calls, "policy_version": self.policy_version,
                 "sampling_model": self.sampling_model or self.model, "metadata": self.metadata,
                 "created": self.created, "calls": len(self.calls),
+                "first_version": self.calls[0].policy_version if self.calls else None,  # its oldest turn's
                 "stops": list(self.stops)}
 
     def graph(self) -> tuple[dict[int, int | None], dict[int, str]]:

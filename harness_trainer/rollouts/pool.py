@@ -3,7 +3,7 @@
     pool.launch(task, n, version)  n rollouts of one task (a group), each an agent or environment episode
     pool.next()                    the oldest group, once all its rollouts ended: scored, every record written
     pool.as_completed()            the groups in the order they end (eval: each written as soon as it can be)
-    pool.cancel_stale(version, k)  stop the groups launched more than k policy versions ago
+    pool.cancel_stale(version, k)  stop the rollouts whose oldest turn is more than k policy versions old
     pool.close()                   stop what runs; a finished rollout nobody collected is still written
 
 Staleness is measured by the trainer from the versions the proxy stamped on the turns; the pool only keeps the
@@ -148,8 +148,19 @@ class RolloutPool:
             write_record(self.out, record)
 
     def cancel_stale(self, version: int, max_staleness: int) -> int:
-        """Stop the groups that can no longer finish within max_staleness, instead of finishing and dropping them."""
-        return sum(g.cancel() for g in self.pending if version - g.launched > max_staleness and not g.done())
+        """Stop the rollouts whose oldest turn is more than max_staleness versions old (they would be dropped when
+        collected), instead of finishing them; the others go on across the sync, their next calls on the new
+        weights. A rollout's turns are no older than its group's launch, so only older groups are asked."""
+        stopped = 0
+        for group in self.pending:
+            if version - group.launched <= max_staleness or group.done():
+                continue
+            for session in list(group.sessions):
+                first = None if session.cancelled else session.first_version()
+                if first is not None and version - first > max_staleness:
+                    session.cancel()
+                    stopped += 1
+        return stopped
 
     def cancel_all(self) -> int:
         return sum(g.cancel() for g in self.pending)

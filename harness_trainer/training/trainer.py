@@ -4,8 +4,9 @@
         fill the rollout pool up to max_concurrent_rollouts (groups of num_generations rollouts of one task:
         an unmodified agent in a sandbox, rollouts/session.py, or a white-box environment, rollouts/environments.py)
         score each finished group: reward functions over the group, rollout_reward_fn per rollout (rollouts/rewards.py)
-        take the groups_per_step oldest finished groups; drop any whose turns are more than max_staleness
-        versions old (groups still running that can no longer finish in time are cancelled after each sync)
+        take the groups_per_step oldest finished groups; a rollout whose oldest turn is more than max_staleness
+        versions old leaves its group (rollouts still running whose oldest turn is that old are stopped after each
+        sync; the others go on across it), and a group with fewer than two left is dropped
         the engine and proxy must answer (waited for up to service_recovery_timeout_s: the CLI restarts
         them, supervise.py); one that restarted gets the policy back, and a restarted engine's rollouts are
         discarded (they may have sampled the weights it was launched with)
@@ -320,7 +321,7 @@ class HarnessAsyncGRPOTrainer:
         rollout's seconds go to `seconds`; the tokens sampled for each group, kept or not, to the metrics."""
         args = self.args
         groups, tasks = [], []
-        metrics = {"dropped_stale": 0, "cancelled": 0, "staleness": 0, "sampled_tokens": 0,
+        metrics = {"dropped_stale": 0, "dropped_stale_rollouts": 0, "cancelled": 0, "staleness": 0, "sampled_tokens": 0,
                    "discarded_tokens/stale": 0, "discarded_tokens/flat": 0}
         tries = args.groups_per_step * (args.dynamic_sampling_max_tries if args.dynamic_sampling else 1)
         looked = 0
@@ -328,22 +329,23 @@ class HarnessAsyncGRPOTrainer:
             self._fill(pool, groups_in_flight, args.groups_per_step - len(groups))
             group, looked = pool.next(), looked + 1
             seconds += [r.seconds for r in group.records]
-            sampled = sampled_tokens(group.records)
-            versions = [v for r in group.records for v in r.policy_versions]
-            staleness = self.version - min(versions) if versions else self.version - group.launched
-            metrics["staleness"] = max(metrics["staleness"], staleness)
-            cancelled = sum(r.status == "cancelled" for r in group.records)
-            if staleness > args.max_staleness or cancelled:
+            # each rollout judged by the versions it would train on: a stale or cancelled one leaves its group,
+            # which trains on the rest while two remain (an advantage needs two)
+            kept = [r for r in group.records if r.status != "cancelled" and self._staleness(r) <= args.max_staleness]
+            left = [r for r in group.records if r not in kept]
+            metrics["cancelled"] += sum(r.status == "cancelled" for r in left)
+            metrics["dropped_stale_rollouts"] += len(left)
+            metrics["discarded_tokens/stale"] += sampled_tokens(left)
+            metrics["staleness"] = max([metrics["staleness"], *(self._staleness(r) for r in kept)])
+            if len(kept) < min(2, len(group.records)):
                 metrics["dropped_stale"] += 1
-                metrics["cancelled"] += cancelled
-                metrics["discarded_tokens/stale"] += sampled
-            elif args.dynamic_sampling and group_advantages(
-                    [r.group_reward for r in group.records]).zero_variance:
+                metrics["discarded_tokens/stale"] += sampled_tokens(kept)
+            elif args.dynamic_sampling and group_advantages([r.group_reward for r in kept]).zero_variance:
                 metrics["dynamic_skipped"] = metrics.get("dynamic_skipped", 0) + 1
-                metrics["discarded_tokens/flat"] += sampled
+                metrics["discarded_tokens/flat"] += sampled_tokens(kept)
             else:
-                metrics["sampled_tokens"] += sampled
-                groups.append(group.records)
+                metrics["sampled_tokens"] += sampled_tokens(kept)
+                groups.append(kept)
                 tasks.append(group.task.name)
         if self.step + 1 < args.max_steps:  # one step off (verl's pipeline): the next step's groups generate
             self._fill(pool, min(groups_in_flight, args.groups_per_step), 0)  # while this one trains
@@ -354,6 +356,10 @@ class HarnessAsyncGRPOTrainer:
                                        f"train after {looked} collected (the cap, dynamic_sampling_max_tries "
                                        f"{args.dynamic_sampling_max_tries}); the step trains on those"]
         return groups, tasks, metrics
+
+    def _staleness(self, record: RolloutRecord) -> int:
+        """Versions between the policy now and the oldest turn the rollout would train on (0 without turns)."""
+        return self.version - min(record.policy_versions) if record.policy_versions else 0
 
     def _fill(self, pool: RolloutPool, groups_in_flight: int, needed: int) -> None:
         """Keep groups_in_flight groups in flight; the synchronous loop (max_staleness 0) launches only the `needed`

@@ -77,8 +77,26 @@ def test_a_group_that_can_no_longer_finish_in_time_is_cancelled_then_dropped(tmp
     assert [step for step, _ in run.policy.steps] == [0, 1]
     statuses = [r["status"] for r in lines(tmp_path / "run" / "rollouts.jsonl") if r["task"] == "slow"]
     assert statuses.count("cancelled") >= 2 and not slow.is_set()
+    assert history[2]["dropped_stale_rollouts"] == 2
     # what the cancelled rollouts had sampled (their calls, read from the proxy as they were stopped) is counted
     assert history[2]["discarded_tokens/stale"] == 4 and history[2]["sampled_tokens"] == 0
+
+
+def test_a_stale_rollout_leaves_its_group_and_the_rest_trains(tmp_path):
+    """Each rollout is judged by the versions it would train on: rollout 0 of every group was stamped one version
+    behind (its first call before the last sync); with max_staleness 0 it alone is dropped, counted, and the group
+    trains on the other two."""
+    sync = StubSync()
+
+    def first_one_behind(task, index, episode, version):
+        return scripted_turns([1, 5, 7], [20 + index, 21], version - (index == 0)), float(index % 2 == 0)
+
+    run = trainer(tmp_path, ScriptedSessions(first_one_behind, version=lambda: sync.version), sync, num_generations=3,
+                  max_concurrent_rollouts=3, max_staleness=0, max_steps=2)
+    history = run.train()
+    assert all(h["dropped_stale_rollouts"] == 1 and h["dropped_stale"] == 0 for h in history)
+    assert all(h["discarded_tokens/stale"] == 2 and h["sampled_tokens"] == 4 for h in history)
+    assert [sorted(e[-1] for e in episodes) for _, episodes in run.policy.steps] == [["1", "2"], ["1", "2"]]
 
 
 def test_the_synchronous_loop_launches_only_what_its_step_needs(tmp_path):
