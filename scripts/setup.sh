@@ -58,11 +58,17 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 
 wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" $1 "* ]]; }
 
-# run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY (or NAME is not wanted).
+# What each step installs: a stamp whose install is gone (a deleted .venv) is not "up to date".
+declare -A INSTALLS=([engine]=.venv-engine/bin/python [trainer]=.venv/bin/python [proxy]=.venv-proxy/bin/python
+  [mini-swe-agent]=.venv-mini/bin/python [opencode]=.tools/opencode [claude-code]=.tools/claude-code
+  [codex]=.tools/codex)
+
+# run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY and what it installed is
+# still there (or NAME is not wanted).
 run_step() {
   local name=$1 key=$2; shift 2
   wanted "$name" || return 0
-  if [ -f "$STAMPS/$name" ] && [ "$(cat "$STAMPS/$name")" = "$key" ]; then
+  if [ -f "$STAMPS/$name" ] && [ "$(cat "$STAMPS/$name")" = "$key" ] && [ -e "${INSTALLS[$name]:-.}" ]; then
     echo "setup: $name is up to date"; return 0
   fi
   echo "setup: $name ..."
