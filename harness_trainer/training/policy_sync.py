@@ -150,11 +150,16 @@ class PolicySync:
         try:
             return self._load_weights(url, version, weights)
         except WeightSyncError as exc:
-            if len(self._engine_urls(url, lost_too=True)) > 1 and not engine_answers(url):
+            if engine_answers(url):
+                raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+            if len(self._engine_urls(url, lost_too=True)) > 1:
                 log.warning("step %d: engine %s went away during the weight sync (%s); the run goes on with the "
                             "others", self.step + 1, url, exc)
                 return False
-            raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
+        # the run's one engine is gone: waited for as before a step (a restarted one gets the policy back), then
+        # this version again; or the run stops with what to do
+        self.ensure_services(self.step)
+        return self._sync_step(partial(self._load_weights, url, version, weights))
 
     def _sync_step(self, step):
         """Run one weight-sync step; its failure stops the run with the step's own message."""

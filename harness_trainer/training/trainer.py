@@ -84,6 +84,7 @@ class HarnessAsyncGRPOTrainer:
     built here only when none is passed in (TRL's async_grpo): the session factory (rollouts/session.py
     SessionFactory: where rollouts come from), `policy` (protocols.py TrainablePolicy: policy.py's Policy) and
     `sync` (protocols.py EngineSync: policy_sync.py's PolicySync, itself given `weight_sync`)."""
+    pool: RolloutPool | None = None  # the rollouts in flight, while the loop runs
 
     def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
                  train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
@@ -200,7 +201,10 @@ class HarnessAsyncGRPOTrainer:
         return self.policy.save_model(path)
 
     def _save(self) -> Path:
-        state = LoopState(self.step, self.version, self.task_cursor, self.rng.getstate(), self.best.state())
+        # the cursor of the oldest group not yet trained: a resumed run launches the groups that were in flight
+        # (lost with the process) again, in the same order, under the same names
+        cursor = self.task_cursor - (len(self.pool.pending) if self.pool is not None else 0)
+        state = LoopState(self.step, self.version, cursor, self.rng.getstate(), self.best.state())
         return save_checkpoint(self.out, self.policy, state, self.args.save_total_limit)
 
     def _restore(self, state: LoopState) -> None:
@@ -277,6 +281,7 @@ class HarnessAsyncGRPOTrainer:
         workers = max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)
         with RolloutPool(self.factory, self.out, workers, self._score, on_launch=self._hook("on_launch"),
                          on_rollout=self._hook("on_rollout")) as pool:  # its exit stops what is still in flight
+            self.pool = pool
             clock, seconds = StepClock(self.sync.engine_time), []  # where each step's time went (timing.py)
             while self.step < args.max_steps:
                 with clock.waiting():
@@ -366,8 +371,8 @@ class HarnessAsyncGRPOTrainer:
         groups of the step being collected: one launched ahead would be one version old at the sync, and dropped."""
         args = self.args
         while len(pool.pending) < (groups_in_flight if args.max_staleness > 0 else needed):
-            task = self._next_task()
-            pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}", self.version)
+            n, task = self.task_cursor, self._next_task()  # n: the group's number in the run, unique
+            pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}-n{n}", self.version)
 
     def _hook(self, name: str):
         return (lambda payload: self._notify(name, payload)) if self.callbacks else None

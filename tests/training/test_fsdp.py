@@ -24,8 +24,8 @@ RUN = textwrap.dedent("""
                 "per_token_logps": [logp] * len(completion), "loss_mask": [0] * len(prompt) + [1] * len(completion),
                 "metadata": {"policy_version": 0}}
     system = [1, 50, 60, 70, 80, 90, 100, 2]
-    def rollout(task, i, episode, version):  # the group of step s (its episodes are named s{s}-...) differs by s
-        seed = int(episode.split("-")[0][1:])
+    def rollout(task, i, episode, version):  # group n of the run (its episodes are named ...-n{n}-{i}) differs by n
+        seed = int(episode.rsplit("-", 2)[1][1:])
         traces = [[turn("a", system + [11 + seed], [300, 301, 302]),
                    turn("b", system + [11 + seed, 300, 301, 302, 7], [303])],
                   [turn("c", system + [11 + seed], [400, 401 + seed])],
