@@ -24,6 +24,7 @@
     │   ├── ServiceDown               a service gone past the recovery bound
     │   ├── NoEngine                  no engine can take a new session (inside the proxy)
     │   ├── WeightSyncError           a weight-sync step
+    │   │   └── EngineUnreachable     ...that could not connect to its engine (gone, or restarting)
     │   └── ModelCallError            a white-box environment's model call
     ├── CaptureError                  a capture that cannot become training data
     │   ├── CaptureContractError      a rollout that breaks the TrainingTrace contract: training stops
@@ -131,6 +132,10 @@ class NoEngine(ServiceError):
 
 class WeightSyncError(ServiceError):
     """A weight-sync step failed or timed out; the message names the step and the server's answer."""
+
+
+class EngineUnreachable(WeightSyncError):
+    """A weight-sync step could not connect to its engine: gone, or restarting (the trainer waits for it)."""
 
 
 class ModelCallError(ServiceError):

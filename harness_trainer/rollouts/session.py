@@ -1,7 +1,6 @@
 """One rollout = one task, one sandbox, one capture session, one unmodified agent, then the verifier.
 
 The contract the trainer uses, shaped like OpenEnv's so its `HarborSessionFactory` fits too:
-
     factory = partial(LocalSessionFactory, proxy=..., harness="mini-swe-agent", ...)(sampling)
     session = factory.create(task, seed=0, episode_id="g3-r1")     # the agent starts
     exit_code = session.wait_for_completion(timeout_s)             # it finishes or is killed
@@ -11,17 +10,16 @@ The contract the trainer uses, shaped like OpenEnv's so its `HarborSessionFactor
 
 `run_rollout` does all of it and classifies how it ended:
     ok             the agent ran, the verifier scored it
-    cancelled      stopped by the trainer because its policy became too stale: not verified, not trained
+    cancelled      stopped by the trainer: its oldest turn became too stale. Not verified, not trained
     timeout        the agent was killed at its timeout: captured turns and the verifier's score are kept
-    unscorable     sandbox / agent start / transport failure (the agent's own report of a model API error
-                   included), its engine lost under it (several engines: proxy/engines.py), or the verifier
-                   could not score: reward None
-A capture that breaks the trace contract is no status: run_rollout raises CaptureContractError, which stops
-training.
+    unscorable     sandbox / agent start / transport failure (or the agent's report of a model API error), no
+                   agent turn at all, its engine lost under it, or the verifier could not score: reward None
+A capture that breaks the trace contract is no status: run_rollout raises CaptureContractError (training stops).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -114,9 +112,9 @@ class RolloutSession(Protocol):
 
 
 class SessionFactory(Protocol):
-    """Makes the rollout sessions of a run; `sampling` is what every session's capture lets the agent choose.
-    The trainer and eval receive a callable `SamplingPolicy -> SessionFactory` (a partial of
-    LocalSessionFactory or EnvironmentSessionFactory) and call it once with their sampling policy."""
+    """Makes a run's rollout sessions; `sampling`: what every session's capture lets the agent choose. The trainer
+    and eval call a `SamplingPolicy -> SessionFactory` (a partial of LocalSessionFactory or EnvironmentSessionFactory)
+    once with their sampling policy."""
     sampling: SamplingPolicy
 
     def create(self, task, seed: int | None = None, episode_id: str | None = None) -> RolloutSession: ...
@@ -181,12 +179,10 @@ class CapturedSession:
             return []
 
     def first_version(self) -> int | None:
-        """The policy version of its first model call (its oldest turn); None before any, or if the proxy cannot
-        say (then it is not judged stale: it goes on)."""
-        try:
+        """Its first model call's policy version (its oldest turn); None before any or if the proxy cannot say."""
+        with contextlib.suppress(Exception):  # not judged stale then: it goes on
             return self.factory.proxy.session(self.capture["id"]).get("first_version") if self.capture else None
-        except Exception:
-            return None
+        return None
 
     def rollout_calls(self) -> list[dict]:
         """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from harness_trainer._exceptions import WeightSyncError
+from harness_trainer._exceptions import EngineUnreachable, WeightSyncError
 
 RELOAD, LORA, NCCL, IPC = "reload", "lora", "nccl", "ipc"  # every weight_sync_backend's name, defined here once
 GPU_BACKENDS = (NCCL, IPC)  # GPU to GPU on vLLM's weight-transfer engines (gpu_sync.py)
@@ -25,6 +25,8 @@ def post_step(client: httpx.Client, url: str, step: str, **kwargs) -> httpx.Resp
         response = client.post(url, **kwargs)
     except httpx.TimeoutException:
         raise WeightSyncError(f"weight sync step '{step}' timed out after {client.timeout.read} s ({url})") from None
+    except httpx.TransportError as exc:
+        raise EngineUnreachable(f"weight sync step '{step}' could not reach {url}: {exc}") from None
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"weight sync step '{step}' could not reach {url}: {exc}") from None
     if not response.is_success:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import httpx
 
-from harness_trainer._exceptions import ConfigError, WeightSyncError
+from harness_trainer._exceptions import ConfigError, EngineUnreachable, WeightSyncError
 from harness_trainer.models.untie import HEAD_FILE
 from harness_trainer.serving.sync_steps import (
     BACKENDS,
@@ -182,6 +182,8 @@ class LoraSync:
             response = httpx.post(f"{self.base}{route}", json=body, timeout=self.timeout_s)
         except httpx.TimeoutException:
             raise WeightSyncError(f"weight sync step '{step}' timed out after {self.timeout_s} s") from None
+        except httpx.TransportError as exc:
+            raise EngineUnreachable(f"weight sync step '{step}' could not reach {self.base}: {exc}") from None
         except httpx.HTTPError as exc:
             raise WeightSyncError(f"weight sync step '{step}' could not reach {self.base}: {exc}") from None
         if response.status_code == 404 and response.text.strip() == '{"detail":"Not Found"}':  # no such route

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from harness_trainer._exceptions import ConfigError, ServiceDown, TrainingStopped, WeightSyncError
+from harness_trainer._exceptions import ConfigError, EngineUnreachable, ServiceDown, TrainingStopped, WeightSyncError
 from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.process import engine_answers
@@ -150,12 +150,12 @@ class PolicySync:
         try:
             return self._load_weights(url, version, weights)
         except WeightSyncError as exc:
-            if engine_answers(url):
-                raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
-            if len(self._engine_urls(url, lost_too=True)) > 1:
+            if len(self._engine_urls(url, lost_too=True)) > 1 and not engine_answers(url):
                 log.warning("step %d: engine %s went away during the weight sync (%s); the run goes on with the "
                             "others", self.step + 1, url, exc)
                 return False
+            if not isinstance(exc, EngineUnreachable):
+                raise TrainingStopped(f"weight sync at step {self.step} failed: {exc}") from None
         # the run's one engine is gone: waited for as before a step (a restarted one gets the policy back), then
         # this version again; or the run stops with what to do
         self.ensure_services(self.step)
@@ -221,7 +221,12 @@ class PolicySync:
                 return weight_version(url) == str(self.version)
             except httpx.HTTPStatusError:  # an engine without the route cannot say: the probe after each sync must
                 return True
-        served = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
+            except httpx.TransportError:  # it answered /health and went away: the next sync meets it and waits
+                return True
+        try:
+            served = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
+        except httpx.TransportError:  # as above
+            return True
         return any(m["id"] == self.served_name for m in served)
 
     def _probe(self, url: str, model: str | None = None) -> None:
