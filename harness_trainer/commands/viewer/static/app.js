@@ -46,7 +46,7 @@ function showError(err) { $("error").hidden = false; $("error").textContent = St
 // ---------------------------------------------------------------- the run: overview and curves
 const PANELS = [
   ["Reward", (k) => ["reward_mean", "reward_max", "verifier_reward_mean"].includes(k) || k.startsWith("rewards/")],
-  ["Groups", (k) => ["zero_variance_groups", "dropped_stale", "cancelled", "cancelled_in_flight", "failed"].includes(k)],
+  ["Groups", (k) => ["zero_variance_groups", "dropped_stale", "dropped_stale_rollouts", "cancelled", "cancelled_in_flight", "failed"].includes(k)],
   ["Where the time goes (s)", (k) => ["step_time_s", "wait_for_groups_s", "train_time_s", "weight_sync_time_s", "generation_s"].includes(k)],
   ["Idle and overlap", (k) => k.endsWith("idle_ratio") || ["ideal_speedup", "calls_in_flight_mean"].includes(k)],
   ["Sampled tokens, trained and discarded", (k) => k === "sampled_tokens" || k.startsWith("discarded_tokens/")],
