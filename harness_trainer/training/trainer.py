@@ -352,8 +352,9 @@ class HarnessAsyncGRPOTrainer:
                 metrics["sampled_tokens"] += sampled_tokens(kept)
                 groups.append(kept)
                 tasks.append(group.task.name)
-        if self.step + 1 < args.max_steps:  # one step off (verl's pipeline): the next step's groups generate
-            self._fill(pool, min(groups_in_flight, args.groups_per_step), 0)  # while this one trains
+        # Not launched here: the next step's groups before this one trains (one step off, 97-103 % of the ideal
+        # overlap in bench/pipeline.py) made every group one version stale where only one step's groups fit in
+        # flight, and the slow tier's learning test fell short (docs/benchmarks.md); more slots give that overlap.
         if args.dynamic_sampling:
             metrics["groups_collected"] = looked
             if len(groups) < args.groups_per_step:
