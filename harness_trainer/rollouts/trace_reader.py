@@ -20,11 +20,15 @@ from harness_trainer.traces.sharing import share_trace
 TRACE_READER = ThreadPoolExecutor(1, thread_name_prefix="trace-reader")
 
 
+def contract_broken(what: str, finding) -> CaptureContractError:
+    return CaptureContractError(f"{what}: the captured trace breaks the TrainingTrace contract: {finding}")
+
+
 def validated_trace(body: bytes, what: str) -> TrainingTrace:
     try:
         return TrainingTrace.model_validate_json(body)
     except ValueError as exc:
-        raise CaptureContractError(f"{what}: the captured trace breaks the TrainingTrace contract: {exc}") from None
+        raise contract_broken(what, exc) from None
 
 
 CHECKER = Checker(TrainingTrace)
@@ -44,6 +48,5 @@ def collect_trace(fetch: Callable[[], bytes], what: str) -> dict:
     body, wire = TRACE_READER.submit(read).result()
     breach = CHECKER.breach(body)
     if breach is not None or wire is None:
-        breach = breach or "it is not JSON"
-        raise CaptureContractError(f"{what}: the captured trace breaks the TrainingTrace contract: {breach}")
+        raise contract_broken(what, breach or "it is not JSON")
     return wire
