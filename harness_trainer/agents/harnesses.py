@@ -20,6 +20,9 @@ __all__ = ["HarnessError", "AgentReport", "AgentRun", "Harness", "make_harness"]
 
 MINI = REPO_ROOT / ".venv-mini" / "bin" / "mini"
 OPENCODE = REPO_ROOT / ".tools" / "opencode" / "node_modules" / ".bin" / "opencode"
+# opencode's permissions and the tools each governs (its `edit` covers every tool that writes files)
+OPENCODE_PERMISSIONS = {"edit": ("edit", "write", "patch", "multiedit"), "bash": ("bash",),
+                        "webfetch": ("webfetch",), "external_directory": ()}
 
 
 COMPACT_CONFIG = Path(__file__).with_name("mini_compact.yaml")
@@ -109,16 +112,23 @@ class OpenCode:
         if not isinstance(self.overrides, dict):
             raise HarnessError(f"--agent-config {config}: an opencode.json holds one JSON object")
 
+    def permission(self) -> dict[str, str]:
+        """The sandbox is the boundary: opencode's own prompts for files outside its project folder (a task's
+        /srv, /solution, /tmp) would be refused in a non-interactive run, a tool failure that looks like the
+        model's. But opencode reads `permission: allow` as turning a tool on: granted over the compact config's
+        `tools: {edit: false, ...}` it put edit, write and webfetch back into the prompt (4 tools instead of
+        bash alone: the tiny model's opencode proof fell from 15/32 to 3/32 after SFT). So a permission is
+        granted only where the config has none of its tools turned off."""
+        off = {name for name, on in (self.overrides.get("tools") or {}).items() if on is False}
+        return {permission: "allow" for permission, tools in OPENCODE_PERMISSIONS.items() if not off & set(tools)}
+
     def check_installed(self) -> None:
         if not OPENCODE.exists():
             raise HarnessError(f"opencode is not installed at {OPENCODE}: run `make setup` (needs npm)")
 
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
-        # The sandbox is the boundary: opencode's own prompts for files outside its project folder (a task's /srv,
-        # /solution, /tmp) would be refused in a non-interactive run, a tool failure that looks like the model's.
-        config = {"permission": {"edit": "allow", "bash": "allow", "webfetch": "allow",
-                                 "external_directory": "allow"}} \
-            | self.overrides | {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+        config = {"permission": self.permission()} | self.overrides | {
+            "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
                   "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
                   "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
                                            "options": {"baseURL": run.base_url, "apiKey": run.api_key},

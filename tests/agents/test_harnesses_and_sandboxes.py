@@ -289,6 +289,9 @@ def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_
     assert "agent" not in full and "tools" not in full
     assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in compact["agent"]["build"]["prompt"]
     assert compact["tools"]["write"] is False and "bash" not in compact["tools"]
+    # a permission opencode grants turns its tools back on: none is granted over a tool the config turned off
+    assert compact["permission"] == {"bash": "allow", "external_directory": "allow"}
+    assert full["permission"] == {"edit": "allow", "bash": "allow", "webfetch": "allow", "external_directory": "allow"}
     assert compact["provider"] == full["provider"] and compact["model"] == "capture/tiny"
     own = tmp_path / "opencode.json"
     own.write_text(json.dumps({"model": "elsewhere/big", "permission": {"bash": "allow"}}))

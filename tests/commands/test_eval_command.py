@@ -91,7 +91,7 @@ def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one
 
 @pytest.mark.parametrize("harness,mode", [("mini-swe-agent", None), ("opencode", None), ("opencode", "compact")],
                          ids=["mini-swe-agent", "opencode", "opencode-compact"])
-def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp_path, harness, mode):
+def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tokenizer, tmp_path, harness, mode):
     summary, records = evaluate(EvalConfig(harness=harness, agent_config=mode, dataset="builtin:toy-heldout", limit=2,
                                            vllm_url=engine.url, max_concurrent_rollouts=2, agent_step_limit=2,
                                            max_completion_tokens=32,
@@ -105,3 +105,7 @@ def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tmp
     if harness == "opencode":  # its own ~3.4k-token prompt and ten tools, or the compact one (bash only)
         agent_prompts = [len(t.prompt_token_ids) for trace in traces for t in trace.turns]  # agent turns only
         assert agent_prompts and all(n < 600 if mode == "compact" else n > 3000 for n in agent_prompts), agent_prompts
+        # the tools the prompt offers, as the model read them (a permission once turned compact's off ones back on)
+        prompt = tokenizer.decode(traces[0].turns[0].prompt_token_ids)  # the template lists each as NAME(ARGS): ...
+        offered = {name for name in ("bash", "edit", "write", "webfetch", "read") if f"\n{name}(" in prompt}
+        assert offered == ({"bash"} if mode == "compact" else {"bash", "edit", "write", "webfetch", "read"}), offered
