@@ -129,11 +129,11 @@ class OpenCode:
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
         config = {"permission": self.permission()} | self.overrides | {
             "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
-                  "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
-                  "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
-                                           "options": {"baseURL": run.base_url, "apiKey": run.api_key},
-                                           "models": {run.model: {"name": run.model, "tool_call": True,
-                                                                  "limit": {"context": 32768, "output": 1024}}}}}}
+            "model": f"capture/{run.model}", "small_model": f"capture/{run.model}",
+            "provider": {"capture": {"npm": "@ai-sdk/openai-compatible", "name": "capture",
+                                     "options": {"baseURL": run.base_url, "apiKey": run.api_key},
+                                     "models": {run.model: {"name": run.model, "tool_call": True,
+                                                            "limit": {"context": 32768, "output": 1024}}}}}}
         env = {"HARNESS_OPENCODE_CONFIG": json.dumps(config), "HARNESS_TASK": run.instruction, "PWD": run.workdir,
                "XDG_CONFIG_HOME": "/home/.config", "XDG_DATA_HOME": "/home/.local/share",
                "XDG_CACHE_HOME": "/home/.cache", "XDG_STATE_HOME": "/home/.local/state",
