@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from harness_trainer._exceptions import HarnessTrainerError
 from harness_trainer.commands.evaluate import EvalConfig, EvalSummary, evaluate
 from harness_trainer.commands.flags import ArgumentParser, Deprecated
+from harness_trainer.commands.proof_report import gains, spread, stage_times, table, wilson
 from harness_trainer.serving.process import ignore_stop_signals, interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import reload_weights
 
@@ -92,47 +93,12 @@ def eval_settings(recipe: Recipe) -> dict:
                 temperature=TEMPERATURE, max_concurrent_rollouts=recipe.concurrency)
 
 
-def wilson(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of a win rate: p~ = (w + z^2/2) / (n + z^2), half-width
-    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n). Unlike p +- z sqrt(p(1-p)/n) it stays in [0, 1] and is not
-    empty at 0 or n wins, which a proof's rows often are."""
-    if n == 0:
-        return 0.0, 1.0
-    p = wins / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def gain_interval(after: EvalSummary, before: EvalSummary) -> tuple[float, float, float]:
-    """The gain in win rate and its 95% interval (Newcombe's method 10: the two rows' Wilson intervals combined),
-    for independent evals: d = p1 - p0, [d - sqrt((p1-l1)^2 + (u0-p0)^2), d + sqrt((u1-p1)^2 + (p0-l0)^2)]."""
-    p1, p0 = after.wins / max(after.rollouts, 1), before.wins / max(before.rollouts, 1)
-    (l1, u1), (l0, u0) = wilson(after.wins, after.rollouts), wilson(before.wins, before.rollouts)
-    d = p1 - p0
-    return d, d - math.hypot(p1 - l1, u0 - p0), d + math.hypot(u1 - p1, p0 - l0)
-
-
 def _eval(name: str, engine_url: str, out: Path, n: int, recipe: Recipe) -> EvalSummary:
     summary, _ = evaluate(EvalConfig(vllm_url=engine_url, num_generations=n, output_dir=str(out / f"eval-{name}"),
                                      **eval_settings(recipe)))
     print(f"  {name}: {summary.wins}/{summary.rollouts} wins, {summary.invalid_tool_calls} invalid tool calls",
           flush=True)
     return summary
-
-
-def table(rows: list[tuple[str, EvalSummary]], times: dict[str, float] | None = None) -> str:
-    """The proof's table; times: row name -> seconds of the stage that made the row's model and its eval."""
-    lines = ["| model | wins (held-out) | win rate [95% CI] | tries per win | invalid tool calls | model calls: agent "
-             "/ auxiliary | stage time |", "|---|---|---|---|---|---|---|"]
-    for name, s in rows:
-        tpw = f"{s.tries_per_win:.2f}" if s.tries_per_win else "-"
-        low, high = wilson(s.wins, s.rollouts)
-        spent = (times or {}).get(name)
-        lines.append(f"| {name} | {s.wins}/{s.rollouts} | {s.wins / max(s.rollouts, 1):.0%} [{low:.0%}, {high:.0%}] | "
-                     f"{tpw} | {s.invalid_tool_calls} | {s.agent_calls} / {s.auxiliary_calls} | "
-                     f"{f'{spent / 60:.1f} min' if spent is not None else '-'} |")
-    return "\n".join(lines)
 
 
 def sft_stage(out: Path, engine_url: str, n: int, recipe: Recipe, sft_epochs: float,
@@ -268,32 +234,20 @@ def run_proof(out: Path, engine_url: str, n: int, grpo_steps: int, sft_epochs: f
     return rows, times, timings
 
 
-def stage_times(timings: dict) -> str:
-    return "stage times: " + ", ".join(f"{k.removesuffix('_s')} {v / 60:.1f} min" for k, v in timings.items())
+def grpo_settings(pairs: list[str]) -> dict:
+    """--grpo KEY=VALUE pairs, typed as the trainer's config types them and checked by it before any stage."""
+    from harness_trainer.training.config import AsyncGRPOConfig
 
-
-def gains(rows: list[tuple[str, EvalSummary]]) -> dict:
-    """Each GRPO row's gain over SFT in points of held-out win rate, with its 95% interval."""
-    sft = next(s for name, s in rows if name == "SFT")
-    return {name: [round(100 * x, 1) for x in gain_interval(s, sft)] for name, s in rows if name.startswith("SFT +")}
-
-
-def _gain_line(name: str, found: dict) -> str:
-    d, low, high = found[name]
-    method = "distillation" if "distillation" in name else "GRPO"
-    return f"\n{method} over SFT: {d:+.1f} points (95% CI {low:+.1f} to {high:+.1f})"
-
-
-def spread(rows: list[tuple[str, EvalSummary]]) -> str:
-    """The gain over SFT (one run: with its interval; several: their mean and range), in points."""
-    found = gains(rows)
-    grpo = [name for name in found if "distillation" not in name]
-    lines = "".join(_gain_line(name, found) for name in found if "distillation" in name)
-    if len(grpo) <= 1:
-        return "".join(_gain_line(name, found) for name in grpo) + lines
-    values = [found[name][0] for name in grpo]
-    return (f"\nGRPO over SFT: mean {sum(values) / len(values):+.1f} points, min {min(values):+.1f}, "
-            f"max {max(values):+.1f} ({len(values)} runs)") + lines
+    default = AsyncGRPOConfig(output_dir="-")
+    typed = {}
+    for key, value in (pair.partition("=")[::2] for pair in pairs):
+        if not hasattr(default, key):
+            raise ValueError(f"--grpo {key}: AsyncGRPOConfig has no such setting (docs/training.md lists them)")
+        kind = type(getattr(default, key))
+        typed[key] = value.lower() in ("1", "true") if kind is bool else kind(value) if kind is not type(None) \
+            else value
+    AsyncGRPOConfig(output_dir="-", **typed)  # a bad value is refused here, in the config's own words
+    return typed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +286,9 @@ def _parser() -> ArgumentParser:
                              "every weight)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="run the GRPO stage once per seed, from the same SFT model (default: 0)")
+    parser.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
+                        help="a GRPO setting over the recipe's, as the trainer's config names it (repeatable), e.g. "
+                             "--grpo scale_rewards=group --grpo vllm_importance_sampling_mode=sequence_mask")
     parser.add_argument("--distill", action="store_true",
                         help="then distil the SFT model on-policy from the GRPO model (or --teacher), no reward, "
                              "--grpo-steps steps, and evaluate it")
@@ -355,6 +312,14 @@ def _main(argv: list[str] | None) -> int:
         print(f"proof: --teacher {args.teacher} needs --distill, --sft-model and a model folder (config.json): "
               "e.g. --distill --sft-model runs/demo/sft --teacher runs/demo/grpo/final", file=sys.stderr)
         return 1
+    recipe = RECIPES[args.harness]
+    if args.agent_config:
+        recipe = replace(recipe, agent_config=args.agent_config)
+    try:
+        recipe = replace(recipe, grpo=recipe.grpo | grpo_settings(args.grpo))
+    except (ValueError, HarnessTrainerError) as error:
+        print(f"proof: {error}", file=sys.stderr)
+        return 1
     if out.exists() and any(out.iterdir()):
         print(f"proof: {out} is not empty; remove it or pass --output-dir NEW", file=sys.stderr)
         return 1
@@ -362,9 +327,6 @@ def _main(argv: list[str] | None) -> int:
     from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.serving.engine import EngineConfig, VLLMServer
 
-    recipe = RECIPES[args.harness]
-    if args.agent_config:
-        recipe = replace(recipe, agent_config=args.agent_config)
     teacher = Path(args.teacher) if args.teacher else None
     run = lambda url: run_proof(out, url, args.num_generations, args.grpo_steps, args.sft_epochs,  # noqa: E731
                                 sft_model, tuple(args.seeds), args.lora_rank, recipe, args.distill, teacher)

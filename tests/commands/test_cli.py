@@ -128,3 +128,16 @@ def test_an_unknown_dataset_lists_what_exists(capsys):
     assert main(["eval", "--dataset", "no-such-folder"]) == 1
     err = capsys.readouterr().err
     assert "builtin:toy-train" in err and "builtin:logs" in err and "NAME@VERSION" not in err
+
+
+def test_the_proofs_grpo_settings_are_typed_and_checked_before_any_stage(tmp_path, capsys):
+    from harness_trainer.commands.proof import grpo_settings
+    from harness_trainer.commands.proof import main as proof
+
+    assert grpo_settings(["scale_rewards=group", "learning_rate=1e-4", "mask_truncated_completions=false"]) == \
+        {"scale_rewards": "group", "learning_rate": 1e-4, "mask_truncated_completions": False}
+    assert proof(["--grpo", "nope=1", "--output-dir", str(tmp_path / "p")]) == 1
+    assert "--grpo nope: AsyncGRPOConfig has no such setting" in capsys.readouterr().err
+    assert proof(["--grpo", "scale_rewards=bad", "--output-dir", str(tmp_path / "p")]) == 1
+    assert "--scale-rewards bad: choose one of none, group, batch" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()  # refused before anything was written
