@@ -199,8 +199,10 @@ class CommandHarness:
         return command, {"OPENAI_BASE_URL": run.base_url, "OPENAI_API_KEY": run.api_key, "OPENAI_MODEL": run.model}
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        # a program that failed says why on stderr (a connect error, a traceback): its last lines kept with the exit
+        said = " ".join(result.stderr.strip().splitlines()[-3:])[-400:] if result.returncode else ""
         return AgentReport(completion=[{"role": "assistant", "content": result.stdout[-8000:]}],
-                           exit_status=f"exit {result.returncode}")
+                           exit_status=f"exit {result.returncode}" + (f": {said}" if said else ""))
 
 
 def _command(command: str | None, config: str | None) -> Harness:

@@ -20,6 +20,7 @@ A capture that breaks the trace contract is no status: run_rollout raises Captur
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 import uuid
@@ -323,8 +324,6 @@ class LocalSessionFactory:
 
 def _exit_reason(code: int) -> str:
     """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent."""
-    import signal
-
     number = -code if code < 0 else code - 128 if 128 < code < 160 else None
     try:
         killed = f" (killed by {signal.Signals(number).name}{' with its sandbox' if code < 0 else ''})" \
@@ -359,8 +358,9 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
             try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared
                 what = f"rollout {session.episode_id} ({task.name})"
                 wire = collect_trace(session.trace_json, what)
-            except CaptureNotTrainable as exc:
-                reason, untouched = f"nothing trainable was captured: {exc}", NO_AGENT_TURNS in str(exc)
+            except CaptureNotTrainable as exc:  # with the agent's own account of why (e.g. its connect error)
+                said = f" (the agent: {session.report.exit_status})" if session.report.exit_status else ""
+                reason, untouched = f"nothing trainable was captured: {exc}{said}", NO_AGENT_TURNS in str(exc)
             except ProxyError as exc:
                 reason = f"could not fetch the trace: {exc}"
         stops = session.proxy_stops()

@@ -210,8 +210,10 @@ def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):
     # an agent that ran and ended before the model ever answered it (found at 1,024 in flight: its first call
     # failed in transport): the verifier's 0 is the harness's, not the policy's
     untouched = run_rollout(LocalSessionFactory(proxy=proxy.client, harness=CommandHarness(
-        "sh -c 'exit 1' {instruction}"), output_dir=tmp_path), toy())
+        "sh -c 'echo Traceback >&2; echo ConnectError: refused >&2; exit 1' {instruction}"), output_dir=tmp_path),
+        toy())
     assert untouched.status == "unscorable" and "no agent turns were captured" in untouched.reason
+    assert untouched.reason.endswith("(the agent: exit 1: Traceback ConnectError: refused)")  # its own account
     assert untouched.outcome.env_reward is None and untouched.agent_exit == 1
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     no_sandbox = run_rollout(command_factory(proxy, tmp_path, "true", sandbox="e2b"), toy())
