@@ -7,8 +7,9 @@
      [environment] env) and verifier timeout (Harbor's default 600 s); its stdout and stderr go to
      /logs/verifier/test-stdout.txt, kept in the rollout's record;
   5. the rewards are read as Harbor 0.26's verifier reads them: reward.json when it is there (a flat object of
-     numbers, every key kept), else reward.txt (one number, as {"reward": x}). Harbor's docs say reward.txt
-     first; its code reads reward.json first, and the code is what Harbor users' tasks were checked against.
+     numbers, true/false as 1/0, every key kept), else reward.txt (one number, as {"reward": x}). Harbor's docs
+     say reward.txt first; its code reads reward.json first, and the code is what Harbor users' tasks were
+     checked against.
 
 The training reward is `reward_key`'s value (default "reward"); a reward.json without that key but with
 exactly one number uses that one; several numbers and none under the key leave the rollout unscorable, saying
@@ -69,7 +70,8 @@ def read_rewards(sandbox: Sandbox) -> tuple[dict[str, float] | None, str]:
             value = _number(data)
             return ({"reward": value}, "reward.json") if value is not None else \
                 (None, f"reward.json holds {reward_json.strip()[:40]!r}, not an object of numbers")
-        numbers = {str(k): _number(v) for k, v in data.items()}
+        # true/false count as 1/0, as Harbor's VerifierResult (dict[str, float | int], pydantic) reads them
+        numbers = {str(k): float(v) if isinstance(v, bool) else _number(v) for k, v in data.items()}
         bad = [k for k, v in numbers.items() if v is None]
         if bad or not numbers:
             return None, (f"reward.json: {', '.join(bad)} not a finite number" if bad else "reward.json is empty")

@@ -137,6 +137,10 @@ def test_verifier_that_cannot_score_gives_none(tmp_path):
     keyed = load_task(make_task(tmp_path / "keyed", test="echo '{\"score\": 0.5}' > /logs/verifier/reward.json"))
     assert verify(box, keyed, reward_key="score").reward == 0.5
     assert verify(box, keyed).reward == 0.5  # the only key is the reward, whatever its name
+    flags = load_task(make_task(tmp_path / "flags", test="echo '{\"reward\": true, \"lint\": false}' > "
+                                                           "/logs/verifier/reward.json"))
+    result = verify(box, flags)  # booleans count as 1 and 0, as Harbor reads them
+    assert result.reward == 1.0 and result.rewards == {"reward": 1.0, "lint": 0.0}
 
 
 def test_e2b_without_credentials_is_a_clear_error_with_no_network(monkeypatch):
