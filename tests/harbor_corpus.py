@@ -7,7 +7,8 @@ says: each verifier checks what its Dockerfile, image, workdir, env tables or ne
                  python shebang; reward.json with two keys ("reward", "efficiency")
     image        [environment] docker_image of an image with neither Python nor Node, workdir, env with a
                  ${VAR:-default} template, allow_internet = false (the verifier checks there is no network
-                 interface but lo); [verifier] env; [solution] env; reward.json with one key ("correctness")
+                 interface but lo); [verifier] env; [solution] env; reward.json with one key ("correctness");
+                 cpus = 64, more than a test machine has (clamped to the host's, one warning)
     plain        no image: environment/app/ copied into /app (runs under local and docker alike)
     multi-step   [[steps]]: refused with its reason (not part of the winning corpus)
 """
@@ -98,6 +99,7 @@ env = {{ SOLUTION_WORD = "seven" }}
 docker_image = "{BARE_IMAGE}"
 workdir = "/work"
 allow_internet = false
+cpus = 64
 env = {{ WORD_SOURCE = "the solution's env" }}
 ''')
     _write(task / "solution" / "solve.sh", '#!/bin/bash\necho "$SOLUTION_WORD" > word.txt\n', 0o755)

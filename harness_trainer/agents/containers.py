@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shlex
 import shutil
@@ -29,6 +30,8 @@ from harness_trainer._exceptions import SandboxError
 from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config
 from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
 from harness_trainer.agents.spares import SPARES
+
+log = logging.getLogger(__name__)
 
 # The container's init: it idles, and reaps what dies under it. A process whose parent dies is handed to the init,
 # so the ones each exec kills would otherwise stay as zombies for the container's life (`sleep infinity` never
@@ -45,6 +48,20 @@ def _reaper(pid: int) -> subprocess.Popen:
               f"docker ps -aq --filter label={LABEL}={pid} | xargs -r docker rm -f >/dev/null 2>&1")
     return subprocess.Popen(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _host_cpus(cpus: float) -> float:
+    """A task's cpus, at most the host's: Docker refuses more than it has, which would make every trial of a
+    task written for a bigger machine unscorable (Harbor fails them; here they run on what there is)."""
+    host = os.cpu_count() or 1
+    if cpus > host:
+        _warn_once(f"a task asks for cpus = {cpus:g} and this host has {host}: its containers get {host}")
+    return min(cpus, host)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 class DockerSandbox(TrialDirs):
@@ -112,7 +129,7 @@ class DockerSandbox(TrialDirs):
                                  "--network", "bridge" if self.spec.allow_internet else "none",
                                  "--entrypoint", "sh", "-w", self.workdir]
         if spec.cpus:
-            argv += ["--cpus", str(spec.cpus)]
+            argv += ["--cpus", str(_host_cpus(spec.cpus))]
         if spec.memory_mb:
             argv += ["--memory", f"{spec.memory_mb}m"]
         for key, value in spec.env.items():
