@@ -8,7 +8,8 @@ says: each verifier checks what its Dockerfile, image, workdir, env tables or ne
     image        [environment] docker_image of an image with neither Python nor Node, workdir, env with a
                  ${VAR:-default} template, allow_internet = false (the verifier checks there is no network
                  interface but lo); [verifier] env; [solution] env; reward.json with one key ("correctness");
-                 cpus = 64, more than a test machine has (clamped to the host's, one warning)
+                 cpus = 64, more than a test machine has (clamped to the host's, one warning); an
+                 environment/Dockerfile too, which loses to the docker_image as in Harbor (--force-build builds it)
     plain        no image: environment/app/ copied into /app (runs under local and docker alike)
     multi-step   [[steps]]: refused with its reason (not part of the winning corpus)
 """
@@ -102,6 +103,9 @@ allow_internet = false
 cpus = 64
 env = {{ WORD_SOURCE = "the solution's env" }}
 ''')
+    # a Dockerfile beside the docker_image, as tasks that ship both: Harbor runs the image (this one has python, so
+    # the verifier's "no python" fails if it is built instead)
+    _write(task / "environment" / "Dockerfile", "FROM python:3.11-slim\nWORKDIR /work\n")
     _write(task / "solution" / "solve.sh", '#!/bin/bash\necho "$SOLUTION_WORD" > word.txt\n', 0o755)
     _write(task / "tests" / "test.sh", '''#!/bin/bash
 # One network interface (lo): allow_internet = false. No python in the image. The word from the solution's env.

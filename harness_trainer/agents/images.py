@@ -9,6 +9,7 @@ build log, never a rollout that scores 0 in an environment that was not there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -102,8 +103,21 @@ def _slug(name: str) -> str:
 
 
 def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
-    """The image a task's trials run: built (or reused) from its Dockerfile, its docker_image, or the default
-    image for a task that has neither. BuildError when it cannot be had."""
+    """The image a task's trials run: its docker_image (Harbor's choice when a task has both; --force-build sets
+    it aside: sandboxes.check_task_sandboxes), else built (or reused) from its Dockerfile, else the default
+    image. A docker_image that cannot be had is built from the task's Dockerfile when it has one, with a
+    warning. BuildError when there is no image."""
+    if spec.image is not None:
+        error = _UNAVAILABLE.get(spec.image) or _have(spec.image, spec.build_timeout_s)
+        if not error:
+            return spec.image
+        if spec.context is None:
+            raise BuildError(f"task {name}: its docker_image {spec.image} is not on this machine and could not be "
+                             f"pulled: {error}. Build or load it (`docker load`, `docker tag`), or give the task an "
+                             "environment/Dockerfile")
+        _UNAVAILABLE[spec.image] = error  # each trial's call would try the pull again
+        _warn_once(f"task {name}: its docker_image {spec.image} could not be had ({error[:200]}): built from its "
+                   "environment/Dockerfile instead")
     if spec.context is not None:
         tag = f"harness-task/{_slug(name)}:{_cached_digest(spec.context)[:16]}"
         with _LOCK:
@@ -112,19 +126,30 @@ def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> st
             if not image_exists(tag):
                 _build(name, spec, tag, log_dir)
         return tag
-    image = spec.image or DEFAULT_IMAGE
-    if not image_exists(image):
-        try:
-            pulled = docker_cli("pull", image, timeout_s=spec.build_timeout_s)
-            error = "" if pulled.returncode == 0 else (pulled.stderr or pulled.stdout).strip()[-300:]
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {spec.build_timeout_s:.0f} s"
-        if error:
-            what = "its docker_image" if spec.image else f"the default image for tasks without one ({DEFAULT_IMAGE})"
-            raise BuildError(f"task {name}: {what} {image} is not on this machine and could not be pulled: {error}. "
-                             f"Build or load it (`docker load`, `docker tag`), or give the task an environment/"
-                             "Dockerfile")
-    return image
+    if error := _have(DEFAULT_IMAGE, spec.build_timeout_s):
+        raise BuildError(f"task {name}: the default image for tasks without one ({DEFAULT_IMAGE}) is not on this "
+                         f"machine and could not be pulled: {error}. Build or load it, or give the task an "
+                         "environment/Dockerfile")
+    return DEFAULT_IMAGE
+
+
+def _have(image: str, timeout_s: float) -> str:
+    """"" when the image is here (pulled if it was not), else why it cannot be had."""
+    if image_exists(image):
+        return ""
+    try:
+        pulled = docker_cli("pull", image, timeout_s=timeout_s)
+        return "" if pulled.returncode == 0 else (pulled.stderr or pulled.stdout).strip()[-300:]
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:.0f} s"
+
+
+_UNAVAILABLE: dict[str, str] = {}  # docker_image -> why it could not be had (its task's Dockerfile built instead)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    print(f"harness-train: warning: {message}", file=sys.stderr)
 
 
 def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> None:
@@ -146,8 +171,10 @@ def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> No
     print(f"built the image of task {name} ({tag}) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
-def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None) -> dict[str, str]:
-    """Every task's image, before any rollout: {task name: image}. One BuildError lists every task that failed.
+def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None,
+                   skip_failed: bool = False) -> dict[str, str]:
+    """Every task's image, before any rollout: {task name: image}. One BuildError lists every task that failed;
+    with skip_failed, those are left out of the answer and each is named on stderr with its build log instead.
     Also removes trial containers left by runs that no longer exist (a run killed with SIGKILL)."""
     docker_ready()
     remove_orphans()
@@ -157,7 +184,10 @@ def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None)
             images[name] = image_for(name, spec, log_dir)
         except BuildError as exc:
             failed.append(str(exc))
-    if failed:
+    if failed and skip_failed:
+        print(f"harness-train: warning: {len(failed)} of {len(tasks)} task environments could not be had; those "
+              "tasks are skipped (--skip-invalid-tasks):\n" + "\n".join(failed), file=sys.stderr)
+    elif failed:
         raise BuildError(f"{len(failed)} of {len(tasks)} task environments could not be had; no rollout was "
                          "started:\n" + "\n".join(failed))
     return images

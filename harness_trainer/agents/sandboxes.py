@@ -13,6 +13,7 @@ The names are a registry (SANDBOXES: name -> maker), not a chain of ifs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import sys
@@ -92,9 +93,11 @@ def kind_for(requested: str, spec: ContainerSpec) -> str:
     return requested
 
 
-def prepare(requested: str, tasks: dict[str, ContainerSpec], log_dir: Path | None = None) -> dict[str, str]:
+def prepare(requested: str, tasks: dict[str, ContainerSpec], log_dir: Path | None = None,
+            skip_failed: bool = False) -> dict[str, str]:
     """Before any rollout: refuse what cannot run where it was asked to, and build every image the run needs.
-    Returns {task: image} for the tasks that run in containers. One SandboxError lists every refused task."""
+    Returns {task: image} for the tasks that run in containers (with skip_failed, less those whose image could
+    not be had). One SandboxError lists every refused task."""
     check_kind(requested)
     if requested == "local":
         refused = [name for name, spec in tasks.items() if spec.needs_container]
@@ -105,7 +108,7 @@ def prepare(requested: str, tasks: dict[str, ContainerSpec], log_dir: Path | Non
                 f"as if the image had been built: {', '.join(refused[:10])}{' ...' if len(refused) > 10 else ''}. "
                 "Use --sandbox auto or docker (needs a Docker daemon)")
     in_containers = {name: spec for name, spec in tasks.items() if kind_for(requested, spec) == "docker"}
-    return prepare_images(in_containers, log_dir) if in_containers else {}
+    return prepare_images(in_containers, log_dir, skip_failed) if in_containers else {}
 
 
 def proxy_address(proxy_url: str) -> tuple[str, int]:
@@ -130,17 +133,22 @@ def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerS
 DOWNLOADS = re.compile(r"\b(apt-get|apt|curl|wget|pip3? install|uvx?|npm (install|i)|npx)\b")
 
 
-def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> dict[str, str]:
+def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> list:
     """A run's check before it starts anything (`cfg`: a RolloutConfig; `tasks`: rollouts' Task objects): the
     sandbox exists and can be made (credentials, daemon, URL), no task is refused, every image is built. A
     bubblewrap task whose verifier seems to download its tools is warned about: a jail has no internet, and a
-    verifier that cannot install its tools may well write 0."""
+    verifier that cannot install its tools may well write 0. Returns the tasks to run: with --force-build each
+    task's Dockerfile is built even where it names a docker_image (set aside); with --skip-invalid-tasks a task
+    whose image could not be had is left out (named, with its build log)."""
     check_kind(cfg.sandbox)
+    if cfg.force_build:
+        tasks = [dataclasses.replace(task, environment=dataclasses.replace(task.environment, image=None))
+                 if task.environment.context is not None else task for task in tasks]
     if cfg.sandbox.partition(":")[0] in ("e2b", "harbor"):  # remote: made once to raise with what is missing
         make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
-        return {}
+        return tasks
     if cfg.sandbox not in KINDS:  # module:Class, your own: it is trusted to say what it needs when made
-        return {}
+        return tasks
     offline = [task.name for task in tasks if kind_for(cfg.sandbox, task.environment) == "local"
                and DOWNLOADS.search((task.tests_dir / "test.sh").read_text(errors="replace"))]
     if offline:
@@ -148,4 +156,5 @@ def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> dict[
               f"({', '.join(offline[:5])}{' ...' if len(offline) > 5 else ''}), but runs in bubblewrap, which has no "
               "internet: give such tasks an environment/Dockerfile (or --sandbox docker), or their rewards may be "
               "0s that say nothing", file=sys.stderr)
-    return prepare(cfg.sandbox, {task.name: task.environment for task in tasks}, log_dir)
+    images = prepare(cfg.sandbox, {task.name: task.environment for task in tasks}, log_dir, cfg.skip_invalid_tasks)
+    return [task for task in tasks if kind_for(cfg.sandbox, task.environment) != "docker" or task.name in images]

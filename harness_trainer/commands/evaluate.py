@@ -9,7 +9,7 @@ rollouts.jsonl (one record per rollout: task, status and why, reward, tool use, 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +61,7 @@ class EvalSummary:
     mean_reward: float | None
     agent_calls: int = 0  # model calls the agent made for its turns (trained)
     auxiliary_calls: int = 0  # side calls without tools (opencode's title, summaries): captured, never trained
+    skipped: list[str] = field(default_factory=list)  # tasks whose environment could not be had (--skip-invalid-tasks)
 
     def table(self, title: str) -> str:
         tpw = f"{self.tries_per_win:.2f}" if self.tries_per_win else "-"
@@ -68,6 +69,8 @@ class EvalSummary:
         rows = [("tasks", self.tasks), ("rollouts", self.rollouts), ("wins", self.wins), ("tries per win", tpw),
                 ("invalid tool calls", self.invalid_tool_calls), ("timeouts", self.timeouts),
                 ("unscorable", self.unscorable), ("mean reward", mean)]
+        if self.skipped:
+            rows.append(("skipped (no environment)", f"{len(self.skipped)}: {', '.join(self.skipped)}"))
         width = max(len(k) for k, _ in rows)
         return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
@@ -94,7 +97,7 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
     from harness_trainer.rollouts.tasks import load_dataset
 
     cfg.check()  # a config changed after it was made is checked again, as the trainer checks its args
-    environment, reward_funcs = None, []
+    environment, reward_funcs, skipped = None, [], []
     if cfg.environment:  # white-box: the rows are the tasks, the reward functions the verifier
         from harness_trainer.rollouts.environments import load_object, load_rows
         from harness_trainer.rollouts.rewards import resolve_reward_funcs
@@ -110,7 +113,9 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         from harness_trainer.agents.sandboxes import check_task_sandboxes
 
         make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
-        check_task_sandboxes(cfg, tasks, out / "builds")
+        runnable = check_task_sandboxes(cfg, tasks, out / "builds")
+        kept = {t.name for t in runnable}
+        skipped, tasks = [t.name for t in tasks if t.name not in kept], runnable
     out.mkdir(parents=True, exist_ok=True)
     for name in ("rollouts.jsonl", "traces.jsonl"):
         (out / name).unlink(missing_ok=True)
@@ -134,7 +139,7 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
                     records.append(record)
                     if progress:
                         progress(record, len(records), total)
-    summary = summarise(records, len(tasks))
+    summary = replace(summarise(records, len(tasks)), skipped=skipped)
     # the model folder it sampled from, when this run launched the engine (the viewer decodes with its tokenizer)
     named = cfg.model or (str(model.path) if model else None)
     (out / "summary.json").write_text(json.dumps(asdict(summary) | {"model": named}, indent=2) + "\n")

@@ -223,7 +223,9 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
 
         check_lora_targets(model.path, cfg.lora_target_modules)
     if environment is None:  # what is missing (credentials, daemon, URL), tasks refused, images built
-        check_task_sandboxes(cfg, tasks, Path(cfg.output_dir) / "builds")
+        tasks = check_task_sandboxes(cfg, tasks, Path(cfg.output_dir) / "builds")
+        if not tasks:
+            raise ConfigError(f"no task of {cfg.dataset} could be had (every environment failed; see above)")
     reward_fn, reward_funcs = resolve_rewards(cfg.reward, cfg.reward_funcs)
     out = Path(cfg.output_dir)
     resume = str(out / "latest") if cfg.resume_from_checkpoint == "latest" else cfg.resume_from_checkpoint

@@ -59,8 +59,10 @@ class RolloutConfig:
                                              "a file: mini-swe-agent YAML or opencode.json, merged in")
     reward_key: str = option("reward", "key of the verifier's reward.json to train on (its only key when it has "
                                        "one; every key is kept in rollouts.jsonl)")
-    skip_invalid_tasks: bool = option(False, "run a dataset's readable tasks and warn about the others (default: "
-                                             "refuse it, listing every problem)")
+    skip_invalid_tasks: bool = option(False, "run a dataset's readable tasks whose environment could be had, and "
+                                             "warn about the others (default: refuse it, listing every problem)")
+    force_build: bool = option(False, "build a task's environment/Dockerfile even where it names a docker_image "
+                                      "(by default the docker_image is used, as Harbor does)")
 
     def __post_init__(self):
         self._prepare()

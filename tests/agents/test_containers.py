@@ -4,6 +4,7 @@ oracle as Harbor's, and a trial that reaches its own capture session and nothing
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 
@@ -96,6 +97,22 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     # the good image is built once and reused by its context's digest
     first = image_for("build", tasks["build"])
     assert first.startswith("harness-task/build:") and image_for("build", tasks["build"]) == first
+    # a task with a docker_image and a Dockerfile runs the image, as Harbor does; --force-build builds it; a
+    # docker_image that cannot be had is built from the Dockerfile, said once
+    assert image_for("image", tasks["image"]) == BARE_IMAGE
+    (forced,) = check_task_sandboxes(RolloutConfig(sandbox="auto", force_build=True),
+                                     [load_task(tmp_path / "corpus" / "image")])
+    assert image_for("image", forced.environment).startswith("harness-task/image:")
+    absent = dataclasses.replace(tasks["image"], image="harness-test/never-made:1", build_timeout_s=60)
+    assert image_for("image", absent).startswith("harness-task/image:")
+    assert "its docker_image harness-test/never-made:1 could not be had" in capsys.readouterr().err
+    # --skip-invalid-tasks runs around a task whose environment cannot be built, naming it with its log
+    dataset = [load_task(broken), load_task(tmp_path / "corpus" / "plain")]
+    kept = check_task_sandboxes(RolloutConfig(sandbox="auto", skip_invalid_tasks=True), dataset, tmp_path / "b2")
+    assert [t.name for t in kept] == ["plain"]
+    err = capsys.readouterr().err
+    assert "1 of 1 task environments could not be had; those tasks are skipped" in err
+    assert "task build: its environment/Dockerfile did not build" in err  # the broken copy of the build task
 
 
 def _probe(port: int, request: str) -> str:
@@ -163,6 +180,14 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
                                    policy="oracle", agent_config=config, sandbox="local",
                                    output_dir=str(tmp_path / "local")))
     assert plain.wins == 1
+    if harness == "mini-swe-agent":  # a dataset with a task that cannot be built runs the rest, naming it
+        mixed = tmp_path / "mixed"
+        plain_task(mixed), build_task(mixed)
+        (mixed / "build" / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN exit 3\n")
+        rest, _ = evaluate(EvalConfig(dataset=str(mixed), harness=harness, vllm_url=engine.url, policy="oracle",
+                                      agent_config=config, skip_invalid_tasks=True, output_dir=str(tmp_path / "m")))
+        assert (rest.tasks, rest.wins, rest.skipped) == (1, 1, ["build"])
+        assert "skipped (no environment)  1: build" in rest.table("eval")
 
 
 HOLDER = """
