@@ -102,9 +102,9 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     assert image_for("image", tasks["image"]) == BARE_IMAGE
     (forced,) = check_task_sandboxes(RolloutConfig(sandbox="auto", force_build=True),
                                      [load_task(tmp_path / "corpus" / "image")])
-    assert image_for("image", forced.environment).startswith("harness-task/image:")
+    assert image_for("image", forced.environment, tmp_path / "b1").startswith("harness-task/image:")
     absent = dataclasses.replace(tasks["image"], image="harness-test/never-made:1", build_timeout_s=60)
-    assert image_for("image", absent).startswith("harness-task/image:")
+    assert image_for("image", absent, tmp_path / "b1").startswith("harness-task/image:")
     assert "its docker_image harness-test/never-made:1 could not be had" in capsys.readouterr().err
     # --skip-invalid-tasks runs around a task whose environment cannot be built, naming it with its log
     dataset = [load_task(broken), load_task(tmp_path / "corpus" / "plain")]
