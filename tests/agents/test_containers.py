@@ -101,7 +101,7 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     # docker_image that cannot be had is built from the Dockerfile, said once
     assert image_for("image", tasks["image"]) == BARE_IMAGE
     (forced,) = check_task_sandboxes(RolloutConfig(sandbox="auto", force_build=True),
-                                     [load_task(tmp_path / "corpus" / "image")])
+                                     [load_task(tmp_path / "corpus" / "image")], tmp_path / "b1")
     assert image_for("image", forced.environment, tmp_path / "b1").startswith("harness-task/image:")
     absent = dataclasses.replace(tasks["image"], image="harness-test/never-made:1", build_timeout_s=60)
     assert image_for("image", absent, tmp_path / "b1").startswith("harness-task/image:")
