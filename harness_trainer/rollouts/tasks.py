@@ -203,6 +203,23 @@ def _environment(path: Path, table: dict, where: str, problems: list[str]) -> Co
         healthcheck=dict(health) if health else None)
 
 
+def _phase_networks(config: dict, environment: ContainerSpec, toml_path: Path, problems: list[str]) -> None:
+    """[agent] / [verifier] network_mode and allowed_hosts: a trial's network is set once, for the whole trial,
+    so a phase may only ask for what its environment has; anything else is refused with the reason (accepting it
+    would run the phase on a network its task did not ask for)."""
+    trial = "public" if environment.allow_internet else "no-network"
+    for phase in ("environment", "agent", "verifier"):
+        table, where = config.get(phase) or {}, f"{toml_path} [{phase}]"
+        if table.get("allowed_hosts"):
+            problems.append(f"{where}: allowed_hosts is not supported yet (hosts are not filtered): use "
+                            "network_mode \"public\" or \"no-network\"")
+        mode = table.get("network_mode")
+        if phase != "environment" and mode is not None and mode != trial:
+            problems.append(f"{where}: network_mode = {mode!r}, but a trial's network is set once for all its "
+                            f"phases, here {trial!r} (from [environment]): per-phase networks are not supported "
+                            "yet; give the phase the environment's setting")
+
+
 def _warn_unknown(config: dict, toml_path: Path) -> None:
     for table, keys in KNOWN.items():
         section = config if not table else config.get(table)
@@ -250,6 +267,7 @@ def load_task(path: str | Path) -> Task:
         environment=_environment(path, config.get("environment", {}), f"{toml_path} [environment]", problems),
         verifier_env=resolve_env(verifier.get("env"), f"{toml_path} [verifier]", problems),
         solution_env=resolve_env(config.get("solution", {}).get("env"), f"{toml_path} [solution]", problems))
+    _phase_networks(config, task.environment, toml_path, problems)
     if problems:
         raise TaskError("\n".join(problems))
     return task

@@ -61,7 +61,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
         make(bad)
     multi_step_task(bad)
     (bad / "build" / "task.toml").write_text(
-        '[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\n'
+        '[agent]\nnetwork_mode = "public"\n'
+        '[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\nallowed_hosts = ["pypi.org"]\n'
         '[environment]\nnetwork_mode = "allowlist"\n')
     with pytest.raises(TaskError) as refused:
         load_dataset(str(bad))
@@ -69,6 +70,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     assert "2 of 3 tasks" in message and "multi-step tasks are not supported yet" in message
     assert "HARNESS_NOT_SET_ANYWHERE" in message and "'timeout_sec' must be a positive" in message
     assert "allowlist" in message and "--skip-invalid-tasks" in message
+    assert "[agent]: network_mode = 'public', but a trial's network is set once" in message  # not run on another
+    assert "[verifier]: allowed_hosts is not supported yet" in message
     assert [t.name for t in load_dataset(str(bad), skip_invalid=True)] == ["plain"]
     assert "skipping task multi-step" in capsys.readouterr().err
 
