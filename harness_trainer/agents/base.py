@@ -10,6 +10,7 @@ Adding an agent is one small class:
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,3 +63,14 @@ def read_file(sandbox: Sandbox, inside: str) -> str | None:
             return (Path(tmp) / "f").read_text(errors="replace")
         except Exception:
             return None
+
+
+def exit_reason(code: int) -> str:
+    """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent."""
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    try:
+        killed = f" (killed by {signal.Signals(number).name}{' with its sandbox' if code < 0 else ''})" \
+            if number else ""
+    except ValueError:
+        killed = ""
+    return f"the agent exited with code {code}{killed}; its workspace was verified as it stood"

@@ -62,6 +62,7 @@ class EvalSummary:
     agent_calls: int = 0  # model calls the agent made for its turns (trained)
     auxiliary_calls: int = 0  # side calls without tools (opencode's title, summaries): captured, never trained
     skipped: list[str] = field(default_factory=list)  # tasks whose environment could not be had (--skip-invalid-tasks)
+    solution_failed: int | None = None  # --policy oracle: rollouts whose solve.sh exited non-zero (None: none ran)
 
     def table(self, title: str) -> str:
         tpw = f"{self.tries_per_win:.2f}" if self.tries_per_win else "-"
@@ -69,6 +70,8 @@ class EvalSummary:
         rows = [("tasks", self.tasks), ("rollouts", self.rollouts), ("wins", self.wins), ("tries per win", tpw),
                 ("invalid tool calls", self.invalid_tool_calls), ("timeouts", self.timeouts),
                 ("unscorable", self.unscorable), ("mean reward", mean)]
+        if self.solution_failed is not None:  # a failed solution, apart from a verifier that scored 0
+            rows.append(("solution failed", self.solution_failed))
         if self.skipped:
             rows.append(("skipped (no environment)", f"{len(self.skipped)}: {', '.join(self.skipped)}"))
         width = max(len(k) for k, _ in rows)
@@ -78,6 +81,7 @@ class EvalSummary:
 def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
     scored = [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
     wins = sum(1 for r in scored if r >= 1.0)
+    solutions = [r.solution for r in records if r.solution]
     return EvalSummary(tasks=tasks, rollouts=len(records), wins=wins,
                        tries_per_win=len(records) / wins if wins else None,
                        invalid_tool_calls=sum(r.invalid_tool_calls for r in records),
@@ -85,7 +89,9 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
                        unscorable=sum(1 for r in records if r.status == "unscorable"),
                        mean_reward=sum(scored) / len(scored) if scored else None,
                        agent_calls=sum(c.get("role") == "agent" for r in records for c in r.calls),
-                       auxiliary_calls=sum(c.get("role") == "auxiliary" for r in records for c in r.calls))
+                       auxiliary_calls=sum(c.get("role") == "auxiliary" for r in records for c in r.calls),
+                       solution_failed=sum(not s.startswith("solve.sh exited 0") for s in solutions)
+                       if solutions else None)
 
 
 def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:

@@ -26,6 +26,7 @@ import uuid
 import httpx
 
 from harness_trainer.rollouts.tasks import Task
+from harness_trainer.rollouts.verifier import SOLUTION_EXIT, SOLUTION_LOG
 from harness_trainer.serving.process import free_port
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -51,14 +52,19 @@ def plausible_mistake(command: str) -> str:
 
 def solution_steps(task: Task) -> list[str]:
     """The commands the oracle runs, one per model call. As Harbor's oracle (the default): one call that runs the
-    uploaded /solution/solve.sh, unchanged, through its shebang, with [solution] env. With the task's metadata
-    `oracle = "inline"`: the script's text itself (less its shebang), so traces show the commands a model must
-    learn (SFT demonstrations); `oracle = "per-line"`: one command line per call (long multi-turn rollouts)."""
+    uploaded /solution/solve.sh, unchanged, through its shebang, with [solution] env (its exit status and output
+    kept for the record). With the task's metadata `oracle = "inline"`: the script's text itself (less its
+    shebang), so traces show the commands a model must learn (SFT demonstrations); `oracle = "per-line"`: one
+    command line per call (long multi-turn rollouts)."""
     mode = task.metadata.get("oracle")
     if mode not in ("inline", "per-line"):
         env = "".join(f"{key}={shlex.quote(value)} " for key, value in
                       {"DEBIAN_FRONTEND": "noninteractive", **task.solution_env}.items())
-        return [f"chmod +x /solution/solve.sh 2>/dev/null; {env}/solution/solve.sh"]
+        # its output to a file, not a pipe (a server it starts in the background would hold a pipe open), its exit
+        # status kept for the record (verifier.solution_report); the agent sees both as before. No " > ": that
+        # is where plausible_mistake slips.
+        return [f"chmod +x /solution/solve.sh 2>/dev/null; {env}/solution/solve.sh >{SOLUTION_LOG} 2>&1; "
+                f"echo $? >{SOLUTION_EXIT}; tail -c 4000 {SOLUTION_LOG}; (exit $(cat {SOLUTION_EXIT}))"]
     lines = task.solution.read_text().splitlines()
     if lines and lines[0].startswith("#!"):
         lines = lines[1:]

@@ -20,7 +20,6 @@ A capture that breaks the trace contract is no status: run_rollout raises Captur
 from __future__ import annotations
 
 import contextlib
-import signal
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer._exceptions import CaptureNotTrainable, ProxyError, SandboxError
+from harness_trainer.agents.base import exit_reason
 from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
 from harness_trainer.agents.sandbox import ExecResult, Sandbox
 from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
@@ -76,6 +76,7 @@ class RolloutRecord:
     reward: float | None = None  # what the trainer trained on: the sum of reward_terms (rewards.score_group)
     reward_terms: dict | None = None  # each reward function's value, by name; None until scored
     truncated: str = ""  # why a limit (time, model calls, context, tokens) cut it; "" when it ended on its own
+    solution: str = ""  # the oracle's solve.sh, when it ran: its exit status and last output (verifier.py)
     environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
     #                                                                         its group is scored (not saved)
 
@@ -265,7 +266,8 @@ class LocalSession(CapturedSession):
         result: VerifierResult = verify(self.sandbox, self.task, self.factory.reward_key)
         output = "\n".join(part for part in (result.stdout.strip(), result.stderr.strip()) if part)
         return VerifyResult(env_reward=result.reward, done=True, metrics={
-            "verifier": result.detail, "verifier_output": output, "verifier_rewards": result.rewards})
+            "verifier": result.detail, "verifier_output": output, "verifier_rewards": result.rewards,
+            "solution": result.solution})
 
     def cancel(self) -> None:
         """Stop the agent now (from another thread): the rollout ends 'cancelled', unverified and untrained."""
@@ -322,17 +324,6 @@ class LocalSessionFactory:
         return session
 
 
-def _exit_reason(code: int) -> str:
-    """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent."""
-    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
-    try:
-        killed = f" (killed by {signal.Signals(number).name}{' with its sandbox' if code < 0 else ''})" \
-            if number else ""
-    except ValueError:
-        killed = ""
-    return f"the agent exited with code {code}{killed}; its workspace was verified as it stood"
-
-
 def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:
     """A rollout the trainer stopped (or never started) because it could no longer finish in time: not verified,
     not trained, but written and counted."""
@@ -370,7 +361,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         elif not reason and stops:  # the agent was stopped cleanly: say why
             reason = "stopped by the capture proxy: " + "; ".join(stops)
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
-            reason = _exit_reason(exit_code)
+            reason = exit_reason(exit_code)
         reason = reason or session.end_reason  # a white-box episode cut by its limits
         truncated = _truncation(session, stops, wire)
         verified = session.verify(session.report.completion)
@@ -393,7 +384,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
             verifier_detail=str(verified.metrics.get("verifier", "")), agent_exit=exit_code,
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
             verifier_rewards=dict(verified.metrics.get("verifier_rewards") or {}),
-            calls=calls, truncated=truncated,
+            calls=calls, truncated=truncated, solution=str(verified.metrics.get("solution", "")),
             policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
             environment=session.environment)
     finally:

@@ -30,6 +30,9 @@ from harness_trainer.agents.sandbox import Sandbox
 from harness_trainer.rollouts.tasks import Task
 
 TEST_STDOUT = "/logs/verifier/test-stdout.txt"
+# where the oracle's solve.sh leaves its output and exit status (oracle.py), read before the tests run: a
+# solution that failed is told apart from a verifier that scored 0
+SOLUTION_LOG, SOLUTION_EXIT = "/logs/agent/solution.log", "/logs/agent/solution.exit"
 
 
 @dataclass
@@ -39,6 +42,7 @@ class VerifierResult:
     stdout: str = ""  # the end of test-stdout.txt (test.sh's stdout and stderr)
     stderr: str = ""
     rewards: dict = field(default_factory=dict)  # every number the verifier wrote, by key
+    solution: str = ""  # the oracle's solve.sh, when it ran: "solve.sh exited N" and its last output
 
 
 def _number(value) -> float | None:
@@ -100,13 +104,22 @@ def training_reward(rewards: dict[str, float], reward_key: str, source: str) -> 
                   "to train on, or a rollout_reward_fn that combines them")
 
 
+def solution_report(sandbox: Sandbox) -> str:
+    """What the oracle's solve.sh left: its exit status and the end of its output ("" when it did not run)."""
+    with TemporaryDirectory() as tmp:
+        status = (_fetch(sandbox, SOLUTION_EXIT, Path(tmp)) or "").strip()
+        output = (_fetch(sandbox, SOLUTION_LOG, Path(tmp)) or "").strip()[-300:]
+    return f"solve.sh exited {status}" + (f": {output}" if output else "") if status else ""
+
+
 def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> VerifierResult:
+    solution = solution_report(sandbox)
     try:
         sandbox.clear("/logs/verifier")
         sandbox.clear("/tests")
         sandbox.upload(task.tests_dir, "/tests")
     except (SandboxError, OSError) as exc:  # e.g. a container killed for its memory under the agent
-        return VerifierResult(None, f"the verifier could not be set up: {exc}")
+        return VerifierResult(None, f"the verifier could not be set up: {exc}", solution=solution)
     env = {**task.environment.env, **task.verifier_env}
     result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1",
                           task.verifier_timeout_s,
@@ -115,9 +128,9 @@ def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> Verifier
         output = (_fetch(sandbox, TEST_STDOUT, Path(tmp)) or "")[-8000:]
     if result.timed_out:
         return VerifierResult(None, f"the verifier timed out after {task.verifier_timeout_s:.0f} s", output,
-                              result.stderr[-4000:])
+                              result.stderr[-4000:], solution=solution)
     rewards, source = read_rewards(sandbox)
     reward, detail = (None, source) if rewards is None else training_reward(rewards, reward_key, source)
     if reward is None and result.returncode != 0:
         detail = f"test.sh exited {result.returncode} and {detail}"
-    return VerifierResult(reward, detail, output, result.stderr[-4000:], rewards or {})
+    return VerifierResult(reward, detail, output, result.stderr[-4000:], rewards or {}, solution)

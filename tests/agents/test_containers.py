@@ -183,14 +183,20 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
                                    policy="oracle", agent_config=config, sandbox="local",
                                    output_dir=str(tmp_path / "local")))
     assert plain.wins == 1
-    if harness == "mini-swe-agent":  # a dataset with a task that cannot be built runs the rest, naming it
-        mixed = tmp_path / "mixed"
-        plain_task(mixed), build_task(mixed)
+    assert summary.solution_failed == 0 and all(r.solution.startswith("solve.sh exited 0") for r in records)
+    if harness == "mini-swe-agent":  # a dataset with a task that cannot be built runs the rest, naming it; a
+        mixed = tmp_path / "mixed"  # solution that fails is counted apart from a verifier's 0
+        plain_task(mixed), build_task(mixed), plain_task(mixed / "failing")
         (mixed / "build" / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN exit 3\n")
-        rest, _ = evaluate(EvalConfig(dataset=str(mixed), harness=harness, vllm_url=engine.url, policy="oracle",
-                                      agent_config=config, skip_invalid_tasks=True, output_dir=str(tmp_path / "m")))
-        assert (rest.tasks, rest.wins, rest.skipped) == (1, 1, ["build"])
-        assert "skipped (no environment)  1: build" in rest.table("eval")
+        (mixed / "failing" / "plain" / "solution" / "solve.sh").write_text("#!/bin/bash\necho no-such-fix\nexit 4\n")
+        (mixed / "failing" / "plain").rename(mixed / "failing-plain"), (mixed / "failing").rmdir()
+        rest, rows = evaluate(EvalConfig(dataset=str(mixed), harness=harness, vllm_url=engine.url, policy="oracle",
+                                         agent_config=config, skip_invalid_tasks=True, output_dir=str(tmp_path / "m")))
+        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (2, 1, ["build"], 1)
+        failed = next(r for r in rows if r.task == "failing-plain")
+        assert failed.solution == "solve.sh exited 4: no-such-fix" and failed.outcome.env_reward == 0.0
+        table = rest.table("eval")
+        assert "skipped (no environment)  1: build" in table and "solution failed" in table
 
 
 HOLDER = """
