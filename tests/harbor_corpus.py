@@ -11,7 +11,8 @@ says: each verifier checks what its Dockerfile, image, workdir, env tables or ne
                  cpus = 64, more than a test machine has (clamped to the host's, one warning); an
                  environment/Dockerfile too, which loses to the docker_image as in Harbor (--force-build builds it)
     plain        no image: environment/app/ copied into /app (runs under local and docker alike)
-    multi-step   [[steps]]: refused with its reason (not part of the winning corpus)
+    multi-step   [[steps]]: three steps in one container, a min_reward gate, a step's workdir/setup.sh, shared
+                 and per-step tests and solutions, a step's own verifier env
 """
 
 from __future__ import annotations
@@ -135,13 +136,55 @@ else echo 0 > /logs/verifier/reward.txt; fi
 
 
 def multi_step_task(root: Path) -> Path:
-    task = plain_task(root / "steps").rename(root / "multi-step")
-    (task / "task.toml").write_text('[[steps]]\nname = "one"\n\n[[steps]]\nname = "two"\n')
+    """Three steps in one container (Harbor 0.26's format): each builds on the last; a min_reward gate on the
+    first; the second's workdir/setup.sh leaves it a file; a shared tests/ helper, two steps with their own
+    test.sh and one using the shared one; per-step solutions and a step's own verifier env."""
+    task = root / "multi-step"
+    _write(task / "task.toml", '''multi_step_reward_strategy = "mean"
+
+[agent]
+timeout_sec = 120
+
+[environment]
+docker_image = "python:3.11-slim"
+workdir = "/app"
+
+[[steps]]
+name = "create"
+min_reward = 1.0
+
+[[steps]]
+name = "extend"
+[steps.verifier]
+env = { EXPECTED_LINES = "2" }
+
+[[steps]]
+name = "count"
+''')
+    _write(task / "tests" / "check.sh", '''# shared by every step's verifier: the reward, 1 when the check holds
+reward() { if "$@"; then echo 1; else echo 0; fi > /logs/verifier/reward.txt; }
+''')
+    _write(task / "tests" / "test.sh", '''#!/bin/bash
+. /tests/check.sh
+reward [ "$(cat /app/count.txt 2>/dev/null)" = "2" ]
+''', 0o755)
+    steps = {"create": ("Create /app/notes.txt holding the line alpha.", "echo alpha > /app/notes.txt",
+                        'reward [ "$(head -n 1 /app/notes.txt 2>/dev/null)" = "alpha" ]'),
+             "extend": ("Append the line in /app/next.txt to /app/notes.txt.", "cat /app/next.txt >> /app/notes.txt",
+                        'reward [ "$(wc -l < /app/notes.txt)" = "$EXPECTED_LINES" ]'),
+             "count": ("Write the number of lines of /app/notes.txt into /app/count.txt.",
+                       "wc -l < /app/notes.txt > /app/count.txt", None)}
+    for name, (instruction, solution, check) in steps.items():
+        _write(task / "steps" / name / "instruction.md", instruction + "\n")
+        _write(task / "steps" / name / "solution" / "solve.sh", f"#!/bin/bash\n{solution}\n", 0o755)
+        if check:
+            _write(task / "steps" / name / "tests" / "test.sh", f"#!/bin/bash\n. /tests/check.sh\n{check}\n", 0o755)
+    _write(task / "steps" / "extend" / "workdir" / "setup.sh", "echo beta > /app/next.txt\n")
     return task
 
 
 def corpus(root: Path) -> Path:
-    """The winning corpus (build, image, plain) in one dataset folder."""
-    for make in (build_task, image_task, plain_task):
+    """The winning corpus (build, image, plain, multi-step) in one dataset folder."""
+    for make in (build_task, image_task, plain_task, multi_step_task):
         make(root)
     return root

@@ -150,7 +150,7 @@ def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> list:
     if cfg.sandbox not in KINDS:  # module:Class, your own: it is trusted to say what it needs when made
         return tasks
     offline = [task.name for task in tasks if kind_for(cfg.sandbox, task.environment) == "local"
-               and DOWNLOADS.search((task.tests_dir / "test.sh").read_text(errors="replace"))]
+               and any(DOWNLOADS.search(test.read_text(errors="replace")) for test in task.path.glob("**/test.sh"))]
     if offline:
         print(f"harness-train: warning: the verifier of {len(offline)} task(s) seems to download tools "
               f"({', '.join(offline[:5])}{' ...' if len(offline) > 5 else ''}), but runs in bubblewrap, which has no "

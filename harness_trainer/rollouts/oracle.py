@@ -22,6 +22,7 @@ import shlex
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 
@@ -50,12 +51,12 @@ def plausible_mistake(command: str) -> str:
     return f"{program} {rest[:1].upper()}{rest[1:]}" if rest else command
 
 
-def solution_steps(task: Task) -> list[str]:
+def solution_steps(task: Task, solve: Path | None = None) -> list[str]:
     """The commands the oracle runs, one per model call. As Harbor's oracle (the default): one call that runs the
     uploaded /solution/solve.sh, unchanged, through its shebang, with [solution] env (its exit status and output
     kept for the record). With the task's metadata `oracle = "inline"`: the script's text itself (less its
     shebang), so traces show the commands a model must learn (SFT demonstrations); `oracle = "per-line"`: one
-    command line per call (long multi-turn rollouts)."""
+    command line per call (long multi-turn rollouts). `solve`: a step's own solve.sh (multi-step tasks)."""
     mode = task.metadata.get("oracle")
     if mode not in ("inline", "per-line"):
         env = "".join(f"{key}={shlex.quote(value)} " for key, value in
@@ -65,7 +66,7 @@ def solution_steps(task: Task) -> list[str]:
         # is where plausible_mistake slips.
         return [f"chmod +x /solution/solve.sh 2>/dev/null; {env}/solution/solve.sh >{SOLUTION_LOG} 2>&1; "
                 f"echo $? >{SOLUTION_EXIT}; tail -c 4000 {SOLUTION_LOG}; (exit $(cat {SOLUTION_EXIT}))"]
-    lines = task.solution.read_text().splitlines()
+    lines = (solve or task.solution).read_text().splitlines()
     if lines and lines[0].startswith("#!"):
         lines = lines[1:]
     if mode == "per-line":
@@ -82,7 +83,10 @@ class OracleUpstream:
         self.mistake_rate = mistake_rate
         self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
         self._lock = threading.Lock()
-        self.solutions = {t.instruction: solution_steps(t) for t in tasks if t.solution}
+        self.solutions = {t.instruction: solution_steps(t) for t in tasks if t.solution and not t.steps}
+        for t in tasks:  # a multi-step task: each step's instruction gets that step's solution (at /solution)
+            self.solutions |= {step.instruction: solution_steps(t, solve) for step in t.steps
+                               if (solve := step.solution(t.path))}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(timeout=600)  # one scoring call of a 30k-token context takes ~30 s on 2 CPU cores

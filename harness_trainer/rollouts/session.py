@@ -39,6 +39,7 @@ from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
 from harness_trainer.proxy.session import NO_AGENT_TURNS
+from harness_trainer.rollouts.multi_step import run_steps, steps_timeout, steps_verified
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.trace_reader import collect_trace, validated_trace
 from harness_trainer.rollouts.verifier import VerifierResult, verify
@@ -77,6 +78,7 @@ class RolloutRecord:
     reward_terms: dict | None = None  # each reward function's value, by name; None until scored
     truncated: str = ""  # why a limit (time, model calls, context, tokens) cut it; "" when it ended on its own
     solution: str = ""  # the oracle's solve.sh, when it ran: its exit status and last output (verifier.py)
+    steps: list[dict] = field(default_factory=list)  # a multi-step task's steps: name, rewards, detail (steps.py)
     environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
     #                                                                         its group is scored (not saved)
 
@@ -89,8 +91,8 @@ class RolloutRecord:
 class RolloutSession(Protocol):
     """What run_rollout needs of one rollout's session (LocalSession: an agent in a sandbox; EnvironmentSession:
     a white-box episode; a test's stub). Set by the session: `error` (why it cannot be scored), `cancelled`,
-    `timed_out`, `report` (the agent's own account: agents/harnesses.py AgentReport), `end_reason` (a limit that
-    ended a white-box episode, else ""), `environment` (a white-box episode's instance, else None)."""
+    `timed_out`, `report` (the agent's own account: AgentReport), `end_reason` (a limit that ended a white-box
+    episode, else ""), `environment` (a white-box episode's instance, else None)."""
     episode_id: str
     error: str | None
     cancelled: bool
@@ -149,6 +151,8 @@ class CapturedSession:
 
     @property
     def timeout_s(self) -> float:
+        if self.task.steps:  # every step's agent and verifier, one after the other
+            return steps_timeout(self.task.steps, self.factory.agent_timeout_s)
         return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
 
     def open_capture(self) -> bool:
@@ -217,6 +221,7 @@ class LocalSession(CapturedSession):
         self.error: str | None = None  # why it cannot be scored, if so
         self.cancelled = False
         self._thread: threading.Thread | None = None
+        self.steps: list[dict] = []  # a multi-step task's verified steps (multi_step.py)
 
     def start(self) -> None:
         f = self.factory
@@ -229,6 +234,9 @@ class LocalSession(CapturedSession):
                 self.sandbox.upload(app, "/app")
             if f.upload_solution and self.task.solution:  # the oracle plays it from there, as Harbor's does
                 self.sandbox.upload(self.task.solution.parent, "/solution")
+            if self.task.steps:  # each step's agent run and verifier, on the agent thread
+                self._thread = threading.Thread(target=run_steps, args=(self,), daemon=True)
+                return self._thread.start()
             command, env = f.harness.prepare(AgentRun(
                 instruction=self.task.instruction, base_url=f.agent_base_url(self.capture, self.task),
                 api_key=self.capture["api_key"], model=self.capture["model"], step_limit=f.step_limit,
@@ -237,11 +245,11 @@ class LocalSession(CapturedSession):
         except (SandboxError, OSError) as exc:
             self.error = f"sandbox failed to start: {exc}"
             return
-        self._thread = threading.Thread(target=self._run, args=(command, env), daemon=True)
+        self._thread = threading.Thread(target=self.run_agent, args=(command, env, self.timeout_s), daemon=True)
         self._thread.start()
 
-    def _run(self, command: str, env: dict) -> None:
-        self.result = self.sandbox.exec(command, self.timeout_s, env)
+    def run_agent(self, command: str, env: dict, timeout_s: float) -> None:
+        self.result = self.sandbox.exec(command, timeout_s, env)
         if self.result.returncode in (126, 127) and not self.result.timed_out:
             self.error = f"the agent did not start (exit {self.result.returncode}): {self.result.stderr[-300:]}"
         try:
@@ -263,6 +271,8 @@ class LocalSession(CapturedSession):
     def verify(self, transcript: list | None = None, final_state=None) -> VerifyResult:
         if self.sandbox is None or self.error:
             return VerifyResult(env_reward=None, done=True, metrics={"verifier": self.error or "no sandbox"})
+        if self.task.steps:  # verified step by step already
+            return VerifyResult(*steps_verified(self))
         result: VerifierResult = verify(self.sandbox, self.task, self.factory.reward_key)
         output = "\n".join(part for part in (result.stdout.strip(), result.stderr.strip()) if part)
         return VerifyResult(env_reward=result.reward, done=True, metrics={
@@ -325,8 +335,7 @@ class LocalSessionFactory:
 
 
 def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:
-    """A rollout the trainer stopped (or never started) because it could no longer finish in time: not verified,
-    not trained, but written and counted."""
+    """A rollout stopped (or never started) as it could no longer finish in time: unverified, untrained, counted."""
     return RolloutRecord(task=task, episode_id=episode_id, outcome=HarnessRolloutOutcome(None, [], [], 0, 0, {}, False),
                          status="cancelled", reason="cancelled: it could not finish within max_staleness", **fields)
 
@@ -347,8 +356,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         wire, reason, untouched = None, session.error or "", False
         if not session.error:
             try:  # the wire form only (a model held through the verifier doubles a rollout's memory), repeats shared
-                what = f"rollout {session.episode_id} ({task.name})"
-                wire = collect_trace(session.trace_json, what)
+                wire = collect_trace(session.trace_json, f"rollout {session.episode_id} ({task.name})")
             except CaptureNotTrainable as exc:  # with the agent's own account of why (e.g. its connect error)
                 said = f" (the agent: {session.report.exit_status})" if session.report.exit_status else ""
                 reason, untouched = f"nothing trainable was captured: {exc}{said}", NO_AGENT_TURNS in str(exc)
@@ -385,6 +393,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
             seconds=time.perf_counter() - started, verifier_output=str(verified.metrics.get("verifier_output", "")),
             verifier_rewards=dict(verified.metrics.get("verifier_rewards") or {}),
             calls=calls, truncated=truncated, solution=str(verified.metrics.get("solution", "")),
+            steps=list(verified.metrics.get("steps") or []),
             policy_versions=sorted({t["metadata"].get("policy_version", 0) for t in (wire or {}).get("turns", [])}),
             environment=session.environment)
     finally:

@@ -20,8 +20,6 @@ is refused with every problem listed, or, with `skip_invalid`, read without them
 from __future__ import annotations
 
 import os
-import re
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,8 @@ from pathlib import Path
 from harness_trainer._exceptions import TaskError
 from harness_trainer.agents.images import ContainerSpec
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
+from harness_trainer.rollouts.steps import Step, read_steps
+from harness_trainer.rollouts.task_fields import resolve_env, seconds, size_mb, warn_once
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class Task:
     environment: ContainerSpec = field(default_factory=ContainerSpec, hash=False, compare=False)
     verifier_env: dict = field(default_factory=dict, hash=False, compare=False)  # resolved templates
     solution_env: dict = field(default_factory=dict, hash=False, compare=False)
+    steps: tuple[Step, ...] = ()  # a multi-step task's [[steps]], in order (steps.py); () for a single step
+    reward_strategy: str = "mean"  # how a multi-step trial's reward comes from its steps' (steps.py)
 
     @property
     def tests_dir(self) -> Path:
@@ -87,68 +89,9 @@ IGNORED = {  # read by Harbor, not by us: what happens instead
     ("verifier", "user"): "the verifier runs as the image's USER",
     ("environment", "skills_dir"): "skills are not copied into the agent's config",
 }
-_TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_WARNED: set[str] = set()
 
 
-def warn_once(message: str, key: str | None = None) -> None:
-    """Print a warning the first time its key (default: the message itself) is seen in this process."""
-    if (key or message) not in _WARNED:
-        _WARNED.add(key or message)
-        print(f"harness-train: warning: {message}", file=sys.stderr)
 
-
-def resolve_env(table, where: str, problems: list[str]) -> dict[str, str]:
-    """An `env` table with Harbor's templates resolved from this host: `${VAR}` must be set here, `${VAR:-d}`
-    falls back to d. A missing variable is a problem that names it."""
-    if table is None:
-        return {}
-    if not isinstance(table, dict):
-        problems.append(f"{where}: 'env' must be a table of NAME = \"value\"")
-        return {}
-    resolved = {}
-    for key, value in table.items():
-        if not isinstance(value, (str, int, float, bool)):
-            problems.append(f"{where}: env.{key} must be a string")
-            continue
-
-        def substitute(match: re.Match, key=key) -> str:
-            name, default = match.group(1), match.group(2)
-            if name in os.environ:
-                return os.environ[name]
-            if default is not None:
-                return default
-            problems.append(f"{where}: env.{key} needs ${{{name}}}, which is not set on this host: export it, or "
-                            f"write ${{{name}:-default}}")
-            return ""
-        resolved[str(key)] = _TEMPLATE.sub(substitute, str(value).lower() if isinstance(value, bool) else str(value))
-    return resolved
-
-
-def _seconds(table: dict, key: str, where: str, default: float | None, problems: list[str]) -> float | None:
-    value = table.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        problems.append(f"{where}: '{key}' must be a positive number of seconds, not {value!r}")
-        return default
-    return float(value)
-
-
-def _size_mb(value, key: str, where: str, problems: list[str]) -> int | None:
-    """memory_mb / storage_mb, or the deprecated memory / storage = "4G" forms."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([GMK])B?\s*", value.upper())
-        if not match:
-            problems.append(f"{where}: '{key}' = {value!r} is not a size like '4G' or '512M'")
-            return None
-        return int(float(match.group(1)) * {"G": 1024, "M": 1, "K": 1 / 1024}[match.group(2)])
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        problems.append(f"{where}: '{key}' must be a positive number of megabytes, not {value!r}")
-        return None
-    return int(value)
 
 
 def _network(table: dict, where: str, problems: list[str]) -> bool:
@@ -196,9 +139,9 @@ def _environment(path: Path, table: dict, where: str, problems: list[str]) -> Co
     return ContainerSpec(
         context=path / "environment" if dockerfile.is_file() else None, image=image.strip() if image else None,
         workdir=workdir, cpus=float(cpus) if cpus else None,
-        memory_mb=_size_mb(table.get("memory_mb", table.get("memory")), "memory_mb", where, problems),
-        storage_mb=_size_mb(table.get("storage_mb", table.get("storage")), "storage_mb", where, problems),
-        build_timeout_s=_seconds(table, "build_timeout_sec", where, 600.0, problems),
+        memory_mb=size_mb(table.get("memory_mb", table.get("memory")), "memory_mb", where, problems),
+        storage_mb=size_mb(table.get("storage_mb", table.get("storage")), "storage_mb", where, problems),
+        build_timeout_s=seconds(table, "build_timeout_sec", where, 600.0, problems),
         allow_internet=_network(table, where, problems), env=resolve_env(table.get("env"), where, problems),
         healthcheck=dict(health) if health else None)
 
@@ -233,16 +176,12 @@ def _warn_unknown(config: dict, toml_path: Path) -> None:
                 warn_once(f"task.toml: {label} is not applied: {IGNORED[(table, key)]}", label)
 
 
-def load_task(path: str | Path) -> Task:
-    """One task folder; TaskError lists every problem it has."""
-    path = Path(path)
-    toml_path, instruction_path = path / "task.toml", path / "instruction.md"
-    problems: list[str] = []
-    if not instruction_path.is_file():
-        raise TaskError(f"{path} is not a Harbor task: it has no instruction.md")
-    if not (path / "tests" / "test.sh").is_file():
-        problems.append(f"{path} has no tests/test.sh: every task needs a verifier that writes "
-                        "/logs/verifier/reward.txt or reward.json")
+def is_task(folder: Path) -> bool:
+    """A Harbor task folder: an instruction.md, or (multi-step) a steps/ folder beside task.toml."""
+    return (folder / "instruction.md").is_file() or ((folder / "task.toml").is_file() and (folder / "steps").is_dir())
+
+
+def _config(toml_path: Path, problems: list[str]) -> dict:
     config = {}
     if toml_path.is_file():
         try:
@@ -253,15 +192,34 @@ def load_task(path: str | Path) -> Task:
         if section in config and not isinstance(config[section], dict):
             problems.append(f"{toml_path}: [{section}] must be a table")
             config.pop(section)
-    if config.get("steps"):
-        problems.append(f"{toml_path}: [[steps]] — multi-step tasks are not supported yet (each step's "
-                        "instruction and tests in one environment); split it into one task per step")
+    if "steps" in config and not isinstance(config["steps"], list):
+        problems.append(f"{toml_path}: steps must be [[steps]] tables")
+        config.pop("steps")
+    return config
+
+
+def load_task(path: str | Path) -> Task:
+    """One task folder; TaskError lists every problem it has."""
+    path = Path(path)
+    toml_path, instruction_path = path / "task.toml", path / "instruction.md"
+    problems: list[str] = []
+    if not is_task(path):
+        raise TaskError(f"{path} is not a Harbor task: it has no instruction.md (nor task.toml with steps/)")
+    config = _config(toml_path, problems)
+    steps, strategy = read_steps(path, config, str(toml_path), problems) if config.get("steps") else ((), "mean")
+    if not steps and not instruction_path.is_file():
+        problems.append(f"{path} has no instruction.md and no [[steps]] in task.toml")
+    if not steps and not (path / "tests" / "test.sh").is_file():
+        problems.append(f"{path} has no tests/test.sh: every task needs a verifier that writes "
+                        "/logs/verifier/reward.txt or reward.json")
     _warn_unknown(config, toml_path)
     agent, verifier, info = config.get("agent", {}), config.get("verifier", {}), config.get("task", {})
+    instruction = steps[0].instruction if steps else \
+        instruction_path.read_text(encoding="utf-8").strip() if instruction_path.is_file() else ""
     task = Task(
-        name=path.name, path=path.resolve(), instruction=instruction_path.read_text(encoding="utf-8").strip(),
-        agent_timeout_s=_seconds(agent, "timeout_sec", f"{toml_path} [agent]", 600.0, problems),
-        verifier_timeout_s=_seconds(verifier, "timeout_sec", f"{toml_path} [verifier]", 600.0, problems),
+        name=path.name, path=path.resolve(), instruction=instruction, steps=steps, reward_strategy=strategy,
+        agent_timeout_s=seconds(agent, "timeout_sec", f"{toml_path} [agent]", 600.0, problems),
+        verifier_timeout_s=seconds(verifier, "timeout_sec", f"{toml_path} [verifier]", 600.0, problems),
         metadata=dict(config.get("metadata", {})), title=str(info.get("name", "")),
         description=str(info.get("description", "")),
         environment=_environment(path, config.get("environment", {}), f"{toml_path} [environment]", problems),
@@ -274,11 +232,11 @@ def load_task(path: str | Path) -> Task:
 
 
 def _tasks_in(folder: Path, skip_invalid: bool = False) -> list[Task]:
-    if (folder / "instruction.md").is_file():
+    if is_task(folder):
         return [load_task(folder)]
     tasks, bad = [], []
     for path in sorted(folder.iterdir()):
-        if path.is_dir() and (path / "instruction.md").is_file():
+        if path.is_dir() and is_task(path):
             try:
                 tasks.append(load_task(path))
             except TaskError as exc:

@@ -27,6 +27,7 @@ from tempfile import TemporaryDirectory
 
 from harness_trainer._exceptions import SandboxError
 from harness_trainer.agents.sandbox import Sandbox
+from harness_trainer.rollouts.steps import Step
 from harness_trainer.rollouts.tasks import Task
 
 TEST_STDOUT = "/logs/verifier/test-stdout.txt"
@@ -112,22 +113,25 @@ def solution_report(sandbox: Sandbox) -> str:
     return f"solve.sh exited {status}" + (f": {output}" if output else "") if status else ""
 
 
-def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward") -> VerifierResult:
+def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward", step: Step | None = None) -> VerifierResult:
+    """The task's verifier, or one step's (its tests over the task's shared ones, its env and timeout)."""
     solution = solution_report(sandbox)
+    tests = step.tests_dirs(task.path) if step else [task.tests_dir]
+    timeout_s, env = (step.verifier_timeout_s, step.verifier_env) if step else (task.verifier_timeout_s,
+                                                                               task.verifier_env)
     try:
         sandbox.clear("/logs/verifier")
         sandbox.clear("/tests")
-        sandbox.upload(task.tests_dir, "/tests")
+        for folder in tests:  # a step's own tests copied over the shared ones
+            sandbox.upload(folder, "/tests")
     except (SandboxError, OSError) as exc:  # e.g. a container killed for its memory under the agent
         return VerifierResult(None, f"the verifier could not be set up: {exc}", solution=solution)
-    env = {**task.environment.env, **task.verifier_env}
-    result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1",
-                          task.verifier_timeout_s,
-                          env=env)
+    result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1", timeout_s,
+                          env={**task.environment.env, **env})
     with TemporaryDirectory() as tmp:
         output = (_fetch(sandbox, TEST_STDOUT, Path(tmp)) or "")[-8000:]
     if result.timed_out:
-        return VerifierResult(None, f"the verifier timed out after {task.verifier_timeout_s:.0f} s", output,
+        return VerifierResult(None, f"the verifier timed out after {timeout_s:.0f} s", output,
                               result.stderr[-4000:], solution=solution)
     rewards, source = read_rewards(sandbox)
     reward, detail = (None, source) if rewards is None else training_reward(rewards, reward_key, source)

@@ -50,6 +50,12 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     monkeypatch.setenv("HARNESS_CORPUS_WORD", "eight")  # a template takes the host's value over its default
     assert load_task(tmp_path / "corpus" / "image").verifier_env == {"EXPECTED": "eight"}
     assert load_task(tmp_path / "corpus" / "plain").verifier_timeout_s == 60
+    steps = tasks["multi-step"]  # Harbor 0.26's [[steps]]: a folder each, in order
+    assert [s.name for s in steps.steps] == ["create", "extend", "count"] and steps.reward_strategy == "mean"
+    assert steps.instruction == steps.steps[0].instruction == "Create /app/notes.txt holding the line alpha."
+    assert steps.steps[0].min_reward == {"reward": 1.0} and steps.steps[1].verifier_env == {"EXPECTED_LINES": "2"}
+    assert steps.steps[0].agent_timeout_s == 120 and steps.steps[0].verifier_timeout_s == 600  # Harbor's defaults
+    assert [d.name for d in steps.steps[2].tests_dirs(steps.path)] == ["tests"]  # the shared ones only
     # the defaults are Harbor's
     (tmp_path / "corpus" / "plain" / "task.toml").write_text(
         '[metadata]\nx = 1\n\n[verifier.odd]\n[frobnicate]\nk = 1\n')
@@ -59,7 +65,10 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     bad = tmp_path / "bad"
     for make in (plain_task, build_task):
         make(bad)
-    multi_step_task(bad)
+    broken_steps = multi_step_task(bad)
+    (broken_steps / "steps" / "count" / "instruction.md").unlink()
+    toml = broken_steps / "task.toml"
+    toml.write_text(toml.read_text().replace("min_reward = 1.0", 'min_reward = "high"'))
     (bad / "build" / "task.toml").write_text(
         '[agent]\nnetwork_mode = "public"\n'
         '[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\nallowed_hosts = ["pypi.org"]\n'
@@ -67,7 +76,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     with pytest.raises(TaskError) as refused:
         load_dataset(str(bad))
     message = str(refused.value)
-    assert "2 of 3 tasks" in message and "multi-step tasks are not supported yet" in message
+    assert "2 of 3 tasks" in message and "steps/count/instruction.md is missing" in message
+    assert "min_reward must be a number or a table of numbers, not 'high'" in message
     assert "HARNESS_NOT_SET_ANYWHERE" in message and "'timeout_sec' must be a positive" in message
     assert "allowlist" in message and "--skip-invalid-tasks" in message
     assert "[agent]: network_mode = 'public', but a trial's network is set once" in message  # not run on another
@@ -79,7 +89,7 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
 def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_one_clear_error(tmp_path, docker,
                                                                                                   capsys):
     tasks = {t.name: t.environment for t in load_dataset(str(corpus(tmp_path / "corpus")))}
-    with pytest.raises(SandboxError, match=r"2 task\(s\) need their own image .* build, image"):
+    with pytest.raises(SandboxError, match=r"3 task\(s\) need their own image .* build, image, multi-step"):
         prepare("local", tasks)
     assert prepare("local", {"plain": tasks["plain"]}) == {}
     broken = build_task(tmp_path / "broken")
@@ -87,7 +97,7 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     with pytest.raises(BuildError) as failed:
         prepare("auto", {"broken": load_task(broken).environment, **tasks}, tmp_path / "builds")
     message = str(failed.value)
-    assert "1 of 3 task environments" in message and "task broken" in message and "exited" in message
+    assert "1 of 4 task environments" in message and "task broken" in message and "exited" in message
     assert (tmp_path / "builds" / "build-broken.log").read_text().count("cannot-build") >= 1
     # a task that runs in bubblewrap but whose verifier downloads its tools: said before the run, not after
     from harness_trainer.agents.sandboxes import check_task_sandboxes
@@ -173,11 +183,14 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
                                            policy="oracle", agent_config=config, max_concurrent_rollouts=3,
                                            output_dir=str(tmp_path / "eval")))
     by_task = {r.task: r for r in records}
-    assert summary.wins == summary.rollouts == 3, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
+    assert summary.wins == summary.rollouts == 4, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
     assert by_task["build"].verifier_rewards == {"reward": 1.0, "efficiency": 0.5}
     assert "written by: agent verified by: agent" in by_task["build"].verifier_output  # the image's USER, not root
     assert by_task["image"].verifier_rewards == {"correctness": 1.0}  # its only key is the training reward
     assert "interfaces: lo" in by_task["image"].verifier_output  # allow_internet = false: no network at all
+    steps = by_task["multi-step"].steps  # each step verified in turn, in the one container
+    assert [(s["step"], s["rewards"]) for s in steps] == [(n, {"reward": 1.0}) for n in ("create", "extend", "count")]
+    assert by_task["multi-step"].verifier_detail == "3 of 3 steps (mean): steps[reward]"
     assert trial_containers() == []
     plain, _ = evaluate(EvalConfig(dataset=str(dataset / "plain"), harness=harness, vllm_url=engine.url,
                                    policy="oracle", agent_config=config, sandbox="local",
@@ -190,9 +203,16 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
         (mixed / "build" / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN exit 3\n")
         (mixed / "failing" / "plain" / "solution" / "solve.sh").write_text("#!/bin/bash\necho no-such-fix\nexit 4\n")
         (mixed / "failing" / "plain").rename(mixed / "failing-plain"), (mixed / "failing").rmdir()
+        gated = multi_step_task(mixed)  # its first step done wrong: below min_reward, the others never run; no
+        toml = gated / "task.toml"  # image: it runs in bubblewrap (the corpus's copy in a container)
+        toml.write_text(toml.read_text().replace('docker_image = "python:3.11-slim"\nworkdir = "/app"\n', ""))
+        (gated / "steps" / "create" / "solution" / "solve.sh").write_text("#!/bin/bash\necho gamma > notes.txt\n")
         rest, rows = evaluate(EvalConfig(dataset=str(mixed), harness=harness, vllm_url=engine.url, policy="oracle",
                                          agent_config=config, skip_invalid_tasks=True, output_dir=str(tmp_path / "m")))
-        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (2, 1, ["build"], 1)
+        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (3, 1, ["build"], 1)
+        stopped = next(r for r in rows if r.task == "multi-step")
+        assert stopped.status == "ok" and stopped.outcome.env_reward == 0.0 and len(stopped.steps) == 1
+        assert stopped.steps[0]["stopped"] == "step create: reward = 0.0 is below its min_reward 1.0"
         failed = next(r for r in rows if r.task == "failing-plain")
         assert failed.solution == "solve.sh exited 4: no-such-fix" and failed.outcome.env_reward == 0.0
         table = rest.table("eval")
