@@ -152,7 +152,27 @@ def _warn_once(message: str) -> None:
     print(f"harness-train: warning: {message}", file=sys.stderr)
 
 
+HEREDOC = re.compile(r"^\s*(?:RUN|COPY|ADD)\b[^\n]*<<-?\s*[\"']?([A-Za-z_]\w*)", re.MULTILINE | re.IGNORECASE)
+
+
+def uses_heredocs(dockerfile: str) -> bool:
+    """A RUN/COPY/ADD `<<WORD` whose WORD closes it on a later line of its own (not a `<<` inside a string)."""
+    return any(re.search(rf"^\s*{m.group(1)}\s*$", dockerfile[m.end():], re.MULTILINE)
+               for m in HEREDOC.finditer(dockerfile))
+
+
+@functools.cache
+def buildkit() -> bool:
+    """Whether this Docker builds with BuildKit (its buildx plugin): Debian's docker.io 20.10 has neither."""
+    return subprocess.run(["docker", "buildx", "version"], capture_output=True).returncode == 0
+
+
 def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> None:
+    dockerfile = (spec.context / "Dockerfile").read_text(errors="replace")
+    if uses_heredocs(dockerfile) and not buildkit():  # the classic builder reads `<<EOF` lines as instructions
+        raise BuildError(f"task {name}: its environment/Dockerfile uses heredocs (RUN <<EOF ...), which only "
+                         "BuildKit builds, and this Docker has no BuildKit (no `docker buildx`; Debian's docker.io "
+                         "20.10 ships none): install Docker's buildx plugin, or write the heredoc as RUN lines")
     log = (log_dir or Path.cwd()) / f"build-{_slug(name)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

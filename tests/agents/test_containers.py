@@ -13,7 +13,7 @@ from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step
 
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
 from harness_trainer.agents.containers import DockerSandbox
-from harness_trainer.agents.images import LABEL, docker_ready, image_for
+from harness_trainer.agents.images import LABEL, buildkit, docker_ready, image_for
 from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.agents.sandboxes import prepare
 from harness_trainer.agents.spares import SPARES
@@ -99,6 +99,14 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     message = str(failed.value)
     assert "1 of 4 task environments" in message and "task broken" in message and "exited" in message
     assert (tmp_path / "builds" / "build-broken.log").read_text().count("cannot-build") >= 1
+    # a Dockerfile with heredocs: built where BuildKit is, else refused with the reason (not the classic builder's
+    heredoc = build_task(tmp_path / "heredoc")  # "unknown instruction")
+    (heredoc / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN <<EOF\necho made > /m\nEOF\n")
+    if buildkit():
+        assert prepare("auto", {"heredoc": load_task(heredoc).environment}, tmp_path / "builds")
+    else:
+        with pytest.raises(BuildError, match="uses heredocs .* no BuildKit"):
+            prepare("auto", {"heredoc": load_task(heredoc).environment}, tmp_path / "builds")
     # a task that runs in bubblewrap but whose verifier downloads its tools: said before the run, not after
     from harness_trainer.agents.sandboxes import check_task_sandboxes
     from harness_trainer.rollouts.config import RolloutConfig
