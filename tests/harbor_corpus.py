@@ -2,7 +2,8 @@
 won by its own solution/solve.sh (the oracle), and only where the environment was really built as its task
 says: each verifier checks what its Dockerfile, image, workdir, env tables or network setting made.
 
-    build        environment/Dockerfile with RUN, ENV, WORKDIR, COPY (FROM the local python:3.11-slim);
+    build        environment/Dockerfile with RUN, ENV, WORKDIR, COPY (FROM the local python:3.11-slim), reference
+                 data the image keeps in /tests (its tests read it) and a file in its /home;
                  solve.sh with comments and a heredoc that holds '#' lines and a blank line; test.sh with a
                  python shebang; reward.json with two keys ("reward", "efficiency")
     image        [environment] docker_image of an image with neither Python nor Node, workdir, env with a
@@ -50,6 +51,7 @@ memory_mb = 512
 ''')
     _write(task / "environment" / "Dockerfile", '''FROM python:3.11-slim
 RUN useradd --create-home agent && mkdir -p /srv/app && echo "built" > /srv/app/marker.txt && chown -R agent /srv/app
+RUN mkdir -p /tests && echo 42 > /tests/expected.txt && echo "agent notes" > /home/agent/notes.txt
 ENV GREETING=hello
 WORKDIR /srv/app
 COPY --chown=agent data.txt /srv/app/data.txt
@@ -73,10 +75,12 @@ import pathlib
 
 answer = pathlib.Path("/srv/app/answer.txt")
 built = pathlib.Path("/srv/app/marker.txt").read_text() == "built\\n"
-right = answer.is_file() and answer.read_text() == "# kept: a heredoc line that starts with #\\n\\nhello 42\\n"
+expected = pathlib.Path("/tests/expected.txt").read_text().strip()  # the image's reference data, under tests/
+right = answer.is_file() and answer.read_text() == f"# kept: a heredoc line that starts with #\\n\\nhello {expected}\\n"
 import pwd, os
 owner = pwd.getpwuid(answer.stat().st_uid).pw_name if answer.is_file() else None
-print("built:", built, "answer:", answer.read_text() if answer.is_file() else None, "written by:", owner,
+print("home kept:", pathlib.Path("/home/agent/notes.txt").is_file(), "built:", built,
+      "answer:", answer.read_text() if answer.is_file() else None, "written by:", owner,
       "verified by:", pwd.getpwuid(os.getuid()).pw_name)
 pathlib.Path("/logs/verifier/reward.json").write_text(
     json.dumps({"reward": float(built and right), "efficiency": 0.5}))

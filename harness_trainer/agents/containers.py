@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config
+from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config, image_folder
 from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
 from harness_trainer.agents.spares import SPARES
 
@@ -72,6 +72,7 @@ class DockerSandbox(TrialDirs):
     container's init is killed, so nothing the agent started outlives its turn. `stop()` removes it."""
 
     MOUNTED = ("logs", "home", "tests")  # the trial's own folders: read, cleared, filled on the host
+    SEEDED = ("home", "tests")  # ... which start with what the image holds there (a mount would hide it)
 
     def __init__(self, trial_dir: str | Path, image: str, spec: ContainerSpec | None = None,
                  proxy: tuple[str, int] | None = None):
@@ -123,6 +124,8 @@ class DockerSandbox(TrialDirs):
         _reaper(os.getpid())
         for name in ("logs/agent", "logs/verifier"):  # made on the host: no exec in the container to make them
             (self.trial / name).mkdir(parents=True, exist_ok=True)
+        for name in self.SEEDED:
+            self._seed(name)
         for name in (*self.MOUNTED, "logs/agent", "logs/verifier"):
             (self.trial / name).chmod(0o777)  # the image's USER may not be root
         spec, argv = self.spec, ["docker", "run", "-d", "--name", self.name, "--label", f"{LABEL}={os.getpid()}",
@@ -265,7 +268,22 @@ class DockerSandbox(TrialDirs):
         if copied.returncode != 0:
             raise FileNotFoundError(f"{src} in {self.name}: {copied.stderr.strip()[:200]}")
 
+    def _seed(self, name: str) -> None:
+        """The trial's mounted folder given what the image keeps there (a /tests of reference data, a /home)."""
+        if seed := image_folder(self.image, f"/{name}"):
+            shutil.copytree(seed, self.trial / name, symlinks=True, dirs_exist_ok=True)
+            for path in (self.trial / name).rglob("*"):  # the image's USER may not be root
+                if not path.is_symlink():
+                    path.chmod(0o777 if path.is_dir() else path.stat().st_mode & 0o7777 | 0o666)
+
     def clear(self, inside: str) -> None:
+        """Emptied; /tests back to what the image holds there (the verifier's tests go on top, as in Harbor, and
+        whatever the agent changed in it is gone)."""
+        self._empty(inside)
+        if self._mounted(inside) and inside.strip("/") in self.SEEDED:
+            self._seed(inside.strip("/"))
+
+    def _empty(self, inside: str) -> None:
         if self._mounted(inside):
             super().clear(inside)
             path = self.host_path(inside)

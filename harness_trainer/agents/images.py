@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -226,6 +230,41 @@ def remove_orphans() -> list[str]:
 
 
 _CONFIGS: dict[str, dict] = {}  # every trial's start asked Docker; a task's tag names one build (its digest)
+
+
+_FOLDERS: dict[tuple[str, str], Path | None] = {}
+FOLDER_CACHE = Path(tempfile.gettempdir()) / "harness-image-folders"
+
+
+def image_folder(image: str, inside: str) -> Path | None:
+    """A copy on the host of what the image holds at `inside` (/tests, /home), once per image; None when it holds
+    nothing there. A trial bind-mounts its own folder there (read and cleared on the host), which would hide the
+    image's files: the container sandbox seeds the trial's folder with this copy (Harbor keeps them)."""
+    if (image, inside) in _FOLDERS:
+        return _FOLDERS[(image, inside)]
+    digest = docker_cli("image", "inspect", "--format", "{{.Id}}", image).stdout.strip().replace("sha256:", "")
+    target = FOLDER_CACHE / (digest or _slug(image))[:24] / inside.strip("/")
+    if not target.is_dir():
+        created = docker_cli("create", "--entrypoint", "sh", image)
+        if created.returncode != 0:
+            return None
+        container = created.stdout.strip()
+        try:
+            copied = subprocess.run(["docker", "cp", f"{container}:{inside}/.", "-"], capture_output=True, timeout=300)
+        finally:
+            docker_cli("rm", "-f", container)
+        if copied.returncode == 0:  # (not there: docker cp says so and fails)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=target.parent))  # then renamed: a half-made copy is never used
+            with tarfile.open(fileobj=io.BytesIO(copied.stdout)) as archive:
+                archive.extractall(staging, filter="data")
+            try:
+                os.rename(staging, target)
+            except OSError:  # another process made it first
+                shutil.rmtree(staging, ignore_errors=True)
+    found = target if target.is_dir() and any(target.iterdir()) else None
+    _FOLDERS[(image, inside)] = found
+    return found
 
 
 def image_config(image: str) -> dict:

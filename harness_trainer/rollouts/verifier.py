@@ -1,8 +1,9 @@
 """The verifier runs after the agent, as Harbor runs it, in a step the agent cannot influence:
 
   1. the agent's exec has ended, and with it every process it started (the sandbox guarantees that);
-  2. /logs/verifier and /tests are emptied, so nothing the agent planted there survives;
-  3. the task's tests are copied in only now, so the agent never saw or changed them;
+  2. /logs/verifier and /tests are emptied, so nothing the agent planted there survives (a container's /tests
+     goes back to what its image keeps there: reference data a task's tests read, as Harbor leaves it);
+  3. the task's tests are copied in only now (over the image's), so the agent never saw or changed them;
   4. /tests/test.sh is made executable and run through its own shebang, with the task's [verifier] env (and
      [environment] env) and verifier timeout (Harbor's default 600 s); its stdout and stderr go to
      /logs/verifier/test-stdout.txt, kept in the rollout's record;

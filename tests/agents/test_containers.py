@@ -194,6 +194,7 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
     assert summary.wins == summary.rollouts == 4, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
     assert by_task["build"].verifier_rewards == {"reward": 1.0, "efficiency": 0.5}
     assert "written by: agent verified by: agent" in by_task["build"].verifier_output  # the image's USER, not root
+    assert "home kept: True" in by_task["build"].verifier_output  # the image's /home and /tests under the mounts
     assert by_task["image"].verifier_rewards == {"correctness": 1.0}  # its only key is the training reward
     assert "interfaces: lo" in by_task["image"].verifier_output  # allow_internet = false: no network at all
     steps = by_task["multi-step"].steps  # each step verified in turn, in the one container
