@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import shlex
 import shutil
@@ -27,11 +26,9 @@ import uuid
 from pathlib import Path
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config, image_folder
+from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config, image_folder, warn_once
 from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
 from harness_trainer.agents.spares import SPARES
-
-log = logging.getLogger(__name__)
 
 # The container's init: it idles, and reaps what dies under it. A process whose parent dies is handed to the init,
 # so the ones each exec kills would otherwise stay as zombies for the container's life (`sleep infinity` never
@@ -55,13 +52,8 @@ def _host_cpus(cpus: float) -> float:
     task written for a bigger machine unscorable (Harbor fails them; here they run on what there is)."""
     host = os.cpu_count() or 1
     if cpus > host:
-        _warn_once(f"a task asks for cpus = {cpus:g} and this host has {host}: its containers get {host}")
+        warn_once(f"a task asks for cpus = {cpus:g} and this host has {host}: its containers get {host}")
     return min(cpus, host)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)
 
 
 class DockerSandbox(TrialDirs):

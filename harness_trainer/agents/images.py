@@ -120,7 +120,7 @@ def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> st
                              f"pulled: {error}. Build or load it (`docker load`, `docker tag`), or give the task an "
                              "environment/Dockerfile")
         _UNAVAILABLE[spec.image] = error  # each trial's call would try the pull again
-        _warn_once(f"task {name}: its docker_image {spec.image} could not be had ({error[:200]}): built from its "
+        warn_once(f"task {name}: its docker_image {spec.image} could not be had ({error[:200]}): built from its "
                    "environment/Dockerfile instead")
     if spec.context is not None:
         tag = f"harness-task/{_slug(name)}:{_cached_digest(spec.context)[:16]}"
@@ -152,7 +152,7 @@ _UNAVAILABLE: dict[str, str] = {}  # docker_image -> why it could not be had (it
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     print(f"harness-train: warning: {message}", file=sys.stderr)
 
 
