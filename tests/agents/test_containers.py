@@ -303,9 +303,9 @@ def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docke
 
 @pytest.mark.slow
 def test_two_training_steps_on_the_corpus_in_containers(docker, fresh_engine, tmp_path):
-    """`harness-train` through mini-swe-agent on the Harbor corpus: the image tasks in their containers, the plain
-    one in bubblewrap; every rollout scored (the random model's reward may be 0, but never unscorable), the
-    policy synced twice, nothing left running."""
+    """`harness-train` through mini-swe-agent on the Harbor corpus: the image tasks (the multi-step one among them)
+    in their containers, the plain one in bubblewrap; every rollout scored (the random model's reward may be 0,
+    but never unscorable), the policy synced twice, nothing left running."""
     import json
 
     from conftest import run_smoke
@@ -316,7 +316,8 @@ def test_two_training_steps_on_the_corpus_in_containers(docker, fresh_engine, tm
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and summary["policy_version"] == 3
     assert rows and all(r["status"] in ("ok", "timeout") for r in rows), [(r["task"], r["reason"]) for r in rows]
-    assert {r["task"] for r in rows} & {"build", "image"}, "no rollout ran in a container"
+    assert {r["task"] for r in rows} & {"build", "image", "multi-step"}, "no rollout ran in a container"
+    assert all(r["steps"] for r in rows if r["task"] == "multi-step")  # its steps, each verified, in its record
     assert subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL}"], capture_output=True,
                           text=True).stdout.strip() == ""
 
