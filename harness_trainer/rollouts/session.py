@@ -38,7 +38,6 @@ from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_addre
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_LOST
-from harness_trainer.proxy.session import NO_AGENT_TURNS
 from harness_trainer.rollouts.multi_step import run_steps, steps_timeout, steps_verified
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.trace_reader import collect_trace, validated_trace
@@ -151,8 +150,8 @@ class CapturedSession:
 
     @property
     def timeout_s(self) -> float:
-        if self.task.steps:  # every step's agent and verifier, one after the other
-            return steps_timeout(self.task.steps, self.factory.agent_timeout_s)
+        if steps := getattr(self.task, "steps", ()):  # every step's agent and verifier (a white-box task has none)
+            return steps_timeout(steps, self.factory.agent_timeout_s)
         return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
 
     def open_capture(self) -> bool:
@@ -359,7 +358,8 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
                 wire = collect_trace(session.trace_json, f"rollout {session.episode_id} ({task.name})")
             except CaptureNotTrainable as exc:  # with the agent's own account of why (e.g. its connect error)
                 said = f" (the agent: {session.report.exit_status})" if session.report.exit_status else ""
-                reason, untouched = f"nothing trainable was captured: {exc}{said}", NO_AGENT_TURNS in str(exc)
+                # no agent turn, or a call that broke off (its engine died): the score is not the policy's
+                reason, untouched = f"nothing trainable was captured: {exc}{said}", True
             except ProxyError as exc:
                 reason = f"could not fetch the trace: {exc}"
         stops = session.proxy_stops()
@@ -374,7 +374,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         truncated = _truncation(session, stops, wire)
         verified = session.verify(session.report.completion)
         calls = session.rollout_calls()
-        if session.error or lost or untouched:  # untouched: the model never acted, a 0 would be the harness's
+        if session.error or lost or untouched:  # untouched: nothing of the policy to score or train
             status = "unscorable"
         elif verified.env_reward is None and not verified.metrics.get("scored_later"):
             status, reason = "unscorable", reason or verified.metrics.get("verifier", "")
