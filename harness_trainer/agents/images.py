@@ -151,9 +151,14 @@ def _have(image: str, timeout_s: float) -> str:
 _UNAVAILABLE: dict[str, str] = {}  # docker_image -> why it could not be had (its task's Dockerfile built instead)
 
 
-@functools.cache
-def warn_once(message: str) -> None:
-    print(f"harness-train: warning: {message}", file=sys.stderr)
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, key: str | None = None) -> None:
+    """Print a warning the first time its key (default: the message itself) is seen in this process."""
+    if (key or message) not in _WARNED:
+        _WARNED.add(key or message)
+        print(f"harness-train: warning: {message}", file=sys.stderr)
 
 
 HEREDOC = re.compile(r"^\s*(?:RUN|COPY|ADD)\b[^\n]*<<-?\s*[\"']?([A-Za-z_]\w*)", re.MULTILINE | re.IGNORECASE)
@@ -245,7 +250,7 @@ def image_folder(image: str, inside: str) -> Path | None:
     digest = docker_cli("image", "inspect", "--format", "{{.Id}}", image).stdout.strip().replace("sha256:", "")
     target = FOLDER_CACHE / (digest or _slug(image))[:24] / inside.strip("/")
     if not target.is_dir():
-        created = docker_cli("create", "--entrypoint", "sh", image)
+        created = docker_cli("create", "--label", f"{LABEL}={os.getpid()}", "--entrypoint", "sh", image)
         if created.returncode != 0:
             return None
         container = created.stdout.strip()

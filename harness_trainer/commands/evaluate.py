@@ -81,6 +81,8 @@ class EvalSummary:
 def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
     scored = [r.outcome.env_reward for r in records if r.outcome.env_reward is not None]
     wins = sum(1 for r in scored if r >= 1.0)
+    from harness_trainer.rollouts.verifier import solution_failed as failed
+
     solutions = [r.solution for r in records if r.solution]
     return EvalSummary(tasks=tasks, rollouts=len(records), wins=wins,
                        tries_per_win=len(records) / wins if wins else None,
@@ -90,8 +92,7 @@ def summarise(records: list[RolloutRecord], tasks: int) -> EvalSummary:
                        mean_reward=sum(scored) / len(scored) if scored else None,
                        agent_calls=sum(c.get("role") == "agent" for r in records for c in r.calls),
                        auxiliary_calls=sum(c.get("role") == "auxiliary" for r in records for c in r.calls),
-                       solution_failed=sum(not s.startswith("solve.sh exited 0") for s in solutions)
-                       if solutions else None)
+                       solution_failed=sum(map(failed, solutions)) if solutions else None)
 
 
 def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutRecord]]:

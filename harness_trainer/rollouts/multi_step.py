@@ -15,7 +15,7 @@ import shlex
 from harness_trainer._exceptions import SandboxError
 from harness_trainer.agents.base import AgentReport, AgentRun
 from harness_trainer.rollouts.steps import Step, trial_rewards
-from harness_trainer.rollouts.verifier import SOLUTION_EXIT, SOLUTION_LOG, training_reward, verify
+from harness_trainer.rollouts.verifier import SOLUTION_EXIT, SOLUTION_LOG, solution_failed, training_reward, verify
 
 
 def run_steps(session) -> None:
@@ -98,6 +98,5 @@ def steps_verified(session) -> tuple[float | None, bool, dict]:
     output = "\n".join(f"[{s['step']}] {s['output']}" for s in steps)
     return reward, True, {"verifier": said + "".join(f"; {s['stopped']}" for s in steps if s.get("stopped")),
                     "verifier_output": output, "verifier_rewards": rewards, "steps": steps,
-                    "solution": next((s["solution"] for s in steps if s["solution"] and  # a failed one first
-                                      not s["solution"].startswith("solve.sh exited 0")),
+                    "solution": next((s["solution"] for s in steps if solution_failed(s["solution"])),  # failed first
                                      steps[-1]["solution"] if steps else "")}

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness_trainer.rollouts.task_fields import resolve_env, seconds, warn_once
+from harness_trainer.agents.images import warn_once
+from harness_trainer.rollouts.task_fields import resolve_env, seconds
 
 STRATEGIES = ("mean", "final")
 

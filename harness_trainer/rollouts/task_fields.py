@@ -1,22 +1,13 @@
 """task.toml's values, read and checked as Harbor means them: seconds, sizes, `env` tables with their ${VAR}
-templates resolved from this host; and the warning said once per process (tasks.py and steps.py read the
-tables with these)."""
+templates resolved from this host (tasks.py and steps.py read the tables with these; warnings said once per
+process are agents/images.py's warn_once)."""
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 
 _TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str, key: str | None = None) -> None:
-    """Print a warning the first time its key (default: the message itself) is seen in this process."""
-    if (key or message) not in _WARNED:
-        _WARNED.add(key or message)
-        print(f"harness-train: warning: {message}", file=sys.stderr)
 
 
 def resolve_env(table, where: str, problems: list[str]) -> dict[str, str]:

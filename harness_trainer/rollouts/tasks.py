@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_trainer._exceptions import TaskError
-from harness_trainer.agents.images import ContainerSpec
+from harness_trainer.agents.images import ContainerSpec, warn_once
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
 from harness_trainer.rollouts.steps import Step, read_steps
-from harness_trainer.rollouts.task_fields import resolve_env, seconds, size_mb, warn_once
+from harness_trainer.rollouts.task_fields import resolve_env, seconds, size_mb
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,11 @@ def solution_report(sandbox: Sandbox) -> str:
     return f"solve.sh exited {status}" + (f": {output}" if output else "") if status else ""
 
 
+def solution_failed(report: str) -> bool:
+    """Whether a solution_report says solve.sh failed ("" — it did not run — is not a failure)."""
+    return bool(report) and not report.startswith("solve.sh exited 0")
+
+
 def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward", step: Step | None = None) -> VerifierResult:
     """The task's verifier, or one step's (its tests over the task's shared ones, its env and timeout)."""
     solution = solution_report(sandbox)
