@@ -59,6 +59,7 @@ class CaptureAddon:
         call: CallInFlight | None = flow.metadata.get("capture")
         if call and call.stream and flow.response.status_code == 200:
             flow.response.stream = call.feed
+            flow.response.headers["content-type"] = call.dialect.stream_content_type
 
     async def response(self, flow: http.HTTPFlow) -> None:
         call: CallInFlight | None = flow.metadata.get("capture")

@@ -50,6 +50,7 @@ def _without_attribution(system):
 class AnthropicDialect:
     name = "anthropic"
     paths = ("/v1/messages", "/messages")
+    stream_content_type = "text/event-stream"
 
     def wants_stream(self, body: dict) -> bool:
         return bool(body.get("stream"))

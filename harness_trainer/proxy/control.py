@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from harness_trainer import fastjson
 from harness_trainer._exceptions import NoEngine, NotTrainable
@@ -37,7 +38,11 @@ def session_key(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+    key = request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+    if key is None and "key=" in request.path:  # Google's API also takes its key in the query
+        query = parse_qs(request.path.partition("?")[2]).get("key")
+        key = query[0] if query else None
+    return key
 
 
 def _error(status: int, message: str) -> Reply:

@@ -30,6 +30,8 @@ from harness_trainer.proxy.capture import Completion, SamplingPolicy, prepare_ch
 from harness_trainer.proxy.control import ControlRoutes, session_key
 from harness_trainer.proxy.dialects import dialect_for
 from harness_trainer.proxy.engines import ENGINE_LOST, EnginePool
+from harness_trainer.proxy.google import GoogleDialect
+from harness_trainer.proxy.google import route as google_route
 from harness_trainer.proxy.inflight import CallInFlight
 from harness_trainer.proxy.session import Session
 from harness_trainer.proxy.store import SessionStore
@@ -116,8 +118,10 @@ class Capture:
     async def _route(self, request: Request, reverse: bool) -> Reply | CallInFlight | None:
         path = request.path.split("?", 1)[0].rstrip("/")
         if path.endswith("/messages/count_tokens"):
-            return await self.count_tokens(request)
-        dialect = dialect_for(path)
+            return await self.count_tokens(request, AnthropicDialect(), "input_tokens")
+        if google_route(path) and path.endswith(":countTokens"):
+            return await self.count_tokens(request, GoogleDialect(), "totalTokens")
+        dialect = dialect_for(request.path)
         if dialect is None:  # forward mode: traffic that is not a model call passes through untouched
             return await self.control.handle(request) if reverse else None
         if (method := request.method) != "POST":
@@ -228,9 +232,9 @@ class Capture:
             message = text
         return json_reply(status, call.dialect.error(status, message))
 
-    async def count_tokens(self, request: Request) -> Reply:
-        """Anthropic's token count, answered by the engine's own tokenizer and never recorded."""
-        dialect = AnthropicDialect()
+    async def count_tokens(self, request: Request, dialect, field: str) -> Reply:
+        """Anthropic's and Google's token counts, answered by the engine's own tokenizer and never recorded
+        (`field`: the answer's one field)."""
         if request.method != "POST":
             return json_reply(405, dialect.error(405, f"{request.method} count_tokens: it is a POST"))
         session = self.store.sessions.get(session_key(request) or "")
@@ -259,10 +263,10 @@ class Capture:
         if answer.status_code != 200 or not isinstance(counted, dict) or "count" not in counted:
             return json_reply(502, dialect.error(502, f"the engine could not count tokens "
                                                       f"({answer.status_code}): {str(counted)[:300]}"))
-        return json_reply(200, {"input_tokens": counted["count"]})
+        return json_reply(200, {field: counted["count"]})
 
     def stop_reply(self, dialect, asked: dict, session: Session, text: str, stream: bool, why: str) -> Reply:
         """A clean stop in the agent's dialect: not a captured call, but the session notes why it stopped."""
         self.store.stop(session, why)
         return Reply(200, dialect.stop_answer(asked, session.model, text, stream),
-                     "text/event-stream" if stream else "application/json")
+                     dialect.stream_content_type if stream else "application/json")

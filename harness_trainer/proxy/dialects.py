@@ -1,8 +1,9 @@
 """Client dialects. Every model call is sent upstream as an OpenAI chat completion; a dialect translates the
 agent's request into that form and the engine's answer (JSON, or SSE event by event) back into the agent's.
 
-Only translation lives here: no I/O, no capture. Chat completions is the identity dialect; the other two
-(anthropic.py, responses.py) build on translate.py.
+Only translation lives here: no I/O, no capture. Chat completions is the identity dialect; the others
+(anthropic.py, responses.py, google.py) build on translate.py. Google's is found by its route's pattern, the
+others by their fixed paths.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from harness_trainer.proxy.anthropic import AnthropicDialect
 from harness_trainer.proxy.capture import strip_injected
+from harness_trainer.proxy.google import GoogleDialect, route
 from harness_trainer.proxy.responses import ResponsesDialect
 from harness_trainer.proxy.translate import sse
 
@@ -31,6 +33,7 @@ class Dialect(Protocol):
     request as a chat completion and back, its stream, the clean stop and the error in its own shape."""
     name: str
     paths: tuple[str, ...]
+    stream_content_type: str
 
     def to_chat(self, body: dict) -> dict: ...
     def wants_stream(self, body: dict) -> bool: ...
@@ -44,6 +47,7 @@ class ChatDialect:
     """OpenAI chat completions: the request goes up as is; the answer comes back minus injected fields."""
     name = "chat"
     paths = ("/v1/chat/completions", "/chat/completions")
+    stream_content_type = "text/event-stream"
 
     def to_chat(self, body: dict) -> dict:
         return body
@@ -105,5 +109,11 @@ BY_PATH: dict[str, Dialect] = {path: dialect for dialect in DIALECTS for path in
 
 
 def dialect_for(path: str) -> Dialect | None:
-    """The dialect a request's path speaks, or None (not a model call)."""
-    return BY_PATH.get(path.split("?", 1)[0].rstrip("/"))
+    """The dialect a request's path (with its query) speaks, or None (not a model call)."""
+    bare, _, query = path.partition("?")
+    bare = bare.rstrip("/")
+    if (found := BY_PATH.get(bare)) is not None:
+        return found
+    if (google := route(bare)) is not None and google[1] != "countTokens":
+        return GoogleDialect(google[1], sse="alt=sse" in query.split("&"))
+    return None

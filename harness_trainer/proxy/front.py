@@ -161,8 +161,8 @@ class Front:
         """A streamed 200 answer, passed on as it comes; an engine that breaks off ends it in an error event."""
         pieces = answer.pieces()
         try:
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + call.dialect.stream_content_type.encode()
+                         + b"\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
             try:
                 async for data in pieces:
                     await self._pass(call, call.feed(data), writer)

@@ -60,6 +60,7 @@ def input_messages(items: list) -> list[dict]:
 class ResponsesDialect:
     name = "responses"
     paths = ("/v1/responses", "/responses")
+    stream_content_type = "text/event-stream"
 
     def wants_stream(self, body: dict) -> bool:
         return bool(body.get("stream"))

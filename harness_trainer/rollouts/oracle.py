@@ -1,6 +1,6 @@
 """The oracle policy: a scripted OpenAI-compatible upstream that answers each model call with the task's
 known solution (solution/solve.sh) as a call to the agent's shell tool (`bash`, claude-code's `Bash`, codex's
-`exec_command`), then with the harness's submit command.
+`exec_command`, gemini-cli's `run_shell_command`), then with the harness's submit command.
 
 It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
 traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
@@ -32,7 +32,7 @@ from harness_trainer.serving.process import free_port
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 # each agent's shell tool and the name of its command argument
-SHELL_TOOLS = {"bash": "command", "Bash": "command", "exec_command": "cmd"}
+SHELL_TOOLS = {"bash": "command", "Bash": "command", "exec_command": "cmd", "run_shell_command": "command"}
 
 
 def _command(arguments: str) -> str | None:
@@ -63,9 +63,9 @@ def solution_steps(task: Task, solve: Path | None = None) -> list[str]:
                       {"DEBIAN_FRONTEND": "noninteractive", **task.solution_env}.items())
         # its output to a file, not a pipe (a server it starts in the background would hold a pipe open), its exit
         # status kept for the record (verifier.solution_report); the agent sees both as before. No " > ": that
-        # is where plausible_mistake slips.
+        # is where plausible_mistake slips. No command substitution either: gemini-cli refuses any command with one.
         return [f"chmod +x /solution/solve.sh 2>/dev/null; {env}/solution/solve.sh >{SOLUTION_LOG} 2>&1; "
-                f"echo $? >{SOLUTION_EXIT}; tail -c 4000 {SOLUTION_LOG}; (exit $(cat {SOLUTION_EXIT}))"]
+                f"echo $? >{SOLUTION_EXIT}; tail -c 4000 {SOLUTION_LOG}; (read -r code <{SOLUTION_EXIT}; exit $code)"]
     lines = (solve or task.solution).read_text().splitlines()
     if lines and lines[0].startswith("#!"):
         lines = lines[1:]

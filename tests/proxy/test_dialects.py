@@ -1,6 +1,7 @@
-"""Anthropic Messages and OpenAI Responses through the proxy, JSON and streamed, read by the vendors' own
-client libraries; each call is captured exactly like a chat completion. Also: tool definitions and tool
-history translate, count_tokens is answered by the engine and not recorded, upstream faults are retried."""
+"""Anthropic Messages and OpenAI Responses through the proxy, JSON and streamed, read by the vendors' own client
+libraries (Google's Gemini API: test_google_dialect.py); each call is captured exactly like a chat completion.
+Also: tool definitions and tool history translate, count_tokens is answered by the engine and not recorded,
+upstream faults are retried."""
 
 from __future__ import annotations
 
@@ -214,7 +215,9 @@ def test_a_stream_the_engine_breaks_ends_in_the_dialects_error_event(engine, tmp
     asks = {"chat": ("/v1/chat/completions", {"messages": hi, "max_tokens": 16}),
             "anthropic": ("/v1/messages?beta=true", {"messages": hi, "max_tokens": 16}),
             # the Responses API's own name for the limit: `max_tokens` there is ignored, and the answer would run to EOS
-            "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16})}
+            "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
+            "google": ("/v1beta/models/m:streamGenerateContent?alt=sse",
+                       {"contents": [{"parts": [{"text": "hi"}]}], "generationConfig": {"maxOutputTokens": 16}})}
     try:
         with ProxyServer(f"http://127.0.0.1:{stub.server_port}", model="tiny", log_path=tmp_path / "p.log") as proxy:
             session = proxy.client.create_session()
@@ -227,12 +230,14 @@ def test_a_stream_the_engine_breaks_ends_in_the_dialects_error_event(engine, tmp
                     assert "error" in last and "[DONE]" not in answer.text, answer.text
                 elif dialect == "anthropic":
                     assert last["type"] == "error" and "message_stop" not in answer.text, answer.text
+                elif dialect == "google":  # no finish reason before the error: @google/genai throws on it
+                    assert last["error"]["status"] == "INTERNAL" and "finishReason" not in answer.text, answer.text
                 else:
                     assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
                     assert "response.completed" not in answer.text and events[0]["type"] == "response.created"
                 expected = "engine fell over" if mode == "error" else "stream broke off"
                 assert expected in json.dumps(last)
             calls = proxy.client.rollout(session["id"])["calls"]
-            assert len(calls) == 3 and all(c["problem"] for c in calls)  # recorded, never trained on
+            assert len(calls) == 4 and all(c["problem"] for c in calls)  # recorded, never trained on
     finally:
         stub.shutdown()

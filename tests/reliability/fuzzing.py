@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+GOOGLE_ROUTES = ["/v1beta/models/gemini:generateContent", "/v1beta/models/gemini:streamGenerateContent",
+                 "/v1/models/gemini-x:countTokens"]
 MODEL_ROUTES = ["/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses",
-                "/v1/messages/count_tokens"]
+                "/v1/messages/count_tokens", *GOOGLE_ROUTES]
 CONTROL_ROUTES = ["/health", "/sessions", "/sessions/{own}", "/sessions/{own}/trace", "/sessions/{own}/rollout",
                   "/sessions/{own}/policy_version", "/sessions/{other}", "/sessions/{other}/trace",
                   "/sessions/{other}/rollout", "/sessions/{gone}/trace", "/policy_version", "/v1/models", "/ca.pem"]
@@ -60,7 +62,12 @@ def model_body(draw, route: str) -> dict:
     """A well-formed body of the route's dialect, then maybe mutated (a key dropped, retyped or added)."""
     text = draw(st.text(string.printable, min_size=1, max_size=60))
     stream = draw(st.booleans())
-    if route.endswith("count_tokens") or route == "/v1/messages":
+    if route in GOOGLE_ROUTES:
+        body = {"contents": [{"role": "user", "parts": [{"text": text}]}],
+                "generationConfig": {"maxOutputTokens": draw(st.integers(1, 8))}}
+        if draw(st.booleans()):
+            body["systemInstruction"] = {"parts": [{"text": "You are terse."}]}
+    elif route.endswith("count_tokens") or route == "/v1/messages":
         body = {"model": "claude", "max_tokens": draw(st.integers(1, 8)), "messages": [_message("user", text)]}
         if draw(st.booleans()):
             body["system"] = "You are terse."
@@ -69,10 +76,12 @@ def model_body(draw, route: str) -> dict:
     else:
         body = {"model": "tiny", "max_tokens": draw(st.integers(1, 8)),
                 "messages": [_message("system", "You are terse."), _message("user", text)]}
-    if not route.endswith("count_tokens"):
+    if not route.endswith("count_tokens") and route not in GOOGLE_ROUTES:  # Google's route says whether it streams
         body["stream"] = stream
     if draw(st.booleans()):
-        body["tools"] = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+        body["tools"] = [{"functionDeclarations": [{"name": "bash", "parameters": {"type": "OBJECT"}}]}] \
+            if route in GOOGLE_ROUTES else \
+            [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
     mutation = draw(st.sampled_from(["none"] * 6 + ["drop", "retype", "extra", "deep", "huge", "empty_list"]))
     key = draw(st.sampled_from(sorted(body)))
     if mutation == "drop":
@@ -90,10 +99,12 @@ def model_body(draw, route: str) -> dict:
         words = "word " * (draw(st.sampled_from([10_000, 200_000, 1_000_000])) // 5)
         if isinstance(body.get("messages"), list):
             body["messages"].append(_message("user", words))
+        elif isinstance(body.get("contents"), list):
+            body["contents"].append({"role": "user", "parts": [{"text": words}]})
         else:
             body["input"] = words
     elif mutation == "empty_list":
-        for k in ("messages", "input", "tools"):
+        for k in ("messages", "input", "tools", "contents"):
             if k in body:
                 body[k] = []
     return body
@@ -128,8 +139,10 @@ def probes(draw) -> Probe:
     else:
         path = "/" + "/".join(draw(st.lists(st.text(string.ascii_letters + string.digits + "-._~%:@!$&'()*+,;=",
                                                     min_size=1, max_size=12), max_size=4)))
+    if path.endswith(":streamGenerateContent") and draw(st.booleans()):
+        path += "?alt=sse"  # server-sent events; without it, one JSON array
     if draw(st.integers(0, 9)) == 0:
-        path += "?" + draw(st.text(string.ascii_letters + "=&%", max_size=20))
+        path += ("&" if "?" in path else "?") + draw(st.text(string.ascii_letters + "=&%", max_size=20))
     method = draw(st.sampled_from(METHODS + ["BREW"])) if family != "model" or draw(st.integers(0, 5)) == 0 \
         else "POST"
     key = draw(st.sampled_from(["own"] * 9 + ["other", "admin", "gone", "random", "none"]))
@@ -205,8 +218,14 @@ def _message_of(document) -> str | None:
 
 def _answer_shape_ok(path: str, document) -> bool:
     route = path.split("?", 1)[0].rstrip("/")
+    if route.endswith(":streamGenerateContent") and isinstance(document, list):  # the JSON-array stream
+        return bool(document) and all(isinstance(d, dict) and ("candidates" in d or "error" in d) for d in document)
     if not isinstance(document, dict):
         return False
+    if route.endswith(":countTokens"):
+        return isinstance(document.get("totalTokens"), int)
+    if route in GOOGLE_ROUTES:
+        return isinstance(document.get("candidates"), list)
     if route.endswith("count_tokens"):
         return isinstance(document.get("input_tokens"), int)
     if route == "/v1/messages":
@@ -249,7 +268,7 @@ def judge(probe: Probe, answer: Answer) -> tuple[str, str | None]:
             return "answered", f"a model call's 200 answer is not JSON: {answer.body[:200]!r}"
         if not _answer_shape_ok(route, document):
             return "answered", f"a 200 answer not in the {route} dialect (forwarded raw?): {answer.body[:300]!r}"
-        if route.endswith("count_tokens"):
+        if route.endswith(("count_tokens", ":countTokens")):
             return "counted", None
         return ("stopped" if any(s in answer.body.decode(errors="replace") for s in STOP_TEXTS) else "captured"), None
     return "answered", None
@@ -279,6 +298,7 @@ class FuzzReport:
     requests: int = 0
     outcomes: Counter = field(default_factory=Counter)
     statuses: Counter = field(default_factory=Counter)
+    google: Counter = field(default_factory=Counter)  # the outcomes of Google's routes alone
     findings: list[str] = field(default_factory=list)
     captured_answers: int = 0  # 200 answers to model calls that must have been recorded
     cut_model_calls: int = 0  # model calls the client hung up on (recorded or not)
@@ -290,6 +310,7 @@ class FuzzReport:
 
     def summary(self) -> dict:
         return {"requests": self.requests, "seconds": round(self.seconds, 1), "outcomes": dict(self.outcomes),
+                "google": dict(self.google),
                 "statuses": dict(sorted(self.statuses.items(), key=lambda kv: str(kv[0]))),
                 "captured_answers": self.captured_answers, "recorded_calls": self.recorded_calls,
                 "rss_start_mib": round(self.rss_start_kib / 1024, 1), "rss_end_mib": round(self.rss_end_kib / 1024, 1),
@@ -339,7 +360,10 @@ def run_fuzz(proxy, n: int, random_seed: int, *, time_budget_s: float | None = N
                                    f"body={probe.body[:120]!r}: {finding}")
         if outcome == "captured" and probe.mode in ("whole", "slow"):
             report.captured_answers += 1
-        if probe.mode == "cut" and probe.path.rstrip("/") in MODEL_ROUTES:
+        route = probe.path.split("?", 1)[0].rstrip("/")
+        if route in GOOGLE_ROUTES:
+            report.google[outcome] += 1
+        if probe.mode == "cut" and route in MODEL_ROUTES:
             report.cut_model_calls += 1
         if probe.method == "DELETE" and answer.status == 200:  # a fuzzed delete of a pool session: replace it
             report.recorded_calls += calls_before

@@ -33,6 +33,7 @@ def test_a_thousand_generated_requests_crash_nothing_and_get_clear_answers(fuzze
     assert not report.findings, "\n".join(report.findings[:20])
     assert report.outcomes["captured"] > n // 20, summary  # the fuzzer did reach the engine, often
     assert report.outcomes["refused"] > n // 4, summary
+    assert report.google["captured"] > n // 100 and report.google["counted"] > 0, summary  # every dialect reached
     # every answered model call went through the capture path (none was forwarded raw); a call the client cut
     # may or may not have been recorded
     assert report.captured_answers <= report.recorded_calls <= report.captured_answers + report.cut_model_calls, \
