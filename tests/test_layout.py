@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "harness_trainer"
-LISTED = (".py", ".c", ".jinja", ".yaml", ".json")  # what the tree lists (examples/ is listed as one line)
+LISTED = (".py", ".c", ".jinja", ".yaml", ".json", ".md")  # what the tree lists (examples/ is listed as one line)
 
 
 def test_import_contracts_are_kept():

@@ -49,7 +49,7 @@ SOURCE_REPO = "harness-train-jobs"  # the private dataset repo (under your names
 SOURCE_MOUNT = "/harness-src"
 ENGINE_PORT, PROXY_PORT = 8000, 8300
 ENGINE_START_S = 1800  # the bound on vLLM's start in the job: loading (not downloading) the largest models
-NPM_AGENTS = ("opencode", "claude-code", "codex")
+NPM_AGENTS = ("opencode", "claude-code", "codex", "gemini-cli")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVORS = ("cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
            "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large",

@@ -244,9 +244,10 @@ class UpstreamClient(ProxyClient):
         return super().create_session(upstream=self.upstream, model="tiny", **settings)
 
 
-@pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), pytest.param("codex", None, marks=pytest.mark.slow)],
-                         ids=["claude-code", "codex"])  # codex retries its API with back-off: 35 s, slow tier
-def test_claude_code_and_codex_failures_end_unscorable_with_the_reason(proxy, tmp_path, harness, mode):
+@pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), pytest.param("codex", None, marks=pytest.mark.slow),
+                                          pytest.param("gemini-cli", "compact", marks=pytest.mark.slow)],
+                         ids=["claude-code", "codex", "gemini-cli"])  # both retry with back-off: slow tier
+def test_npm_agents_failures_end_unscorable_with_the_reason(proxy, tmp_path, harness, mode):
     """No server (nothing listens at the agent's base URL) and HTTP 500 from the engine: each rollout ends
     unscorable, with the agent's own words, well inside the agent timeout (codex alone would reconnect forever)."""
     import socket
@@ -308,8 +309,46 @@ def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_
     own.write_text("{not json")
     with pytest.raises(HarnessError, match="not valid JSON"):
         make_harness("opencode", config=str(own))
-    with pytest.raises(HarnessError, match="read by the mini-swe-agent, opencode and claude-code"):
+    with pytest.raises(HarnessError, match="read by the mini-swe-agent, opencode, claude-code and gemini-cli"):
         make_harness("codex", config="compact")
+
+
+def test_gemini_cli_settings_and_what_it_did(tmp_path):
+    """gemini-cli's settings: API-key auth pre-selected, statistics and updates off, retries and turns bounded,
+    'compact' its shell tool alone with a short system prompt, a user's settings.json merged under ours. What it
+    did, read from a real run's events and session file (gemini-cli 0.61.0 against a scripted server: a command
+    that worked, one that exited 2, one it blocked for its command substitution, an unknown tool)."""
+    import json
+
+    from harness_trainer.agents.base import AgentRun
+    from harness_trainer.agents.sandbox import ExecResult
+
+    run = AgentRun(instruction="Write hi into out.txt.", model="tiny", base_url="http://127.0.0.1:1/v1", api_key="k",
+                   step_limit=7)
+    command, env = make_harness("gemini-cli", config="compact").prepare(run)
+    settings = json.loads(env["HARNESS_GEMINI_SETTINGS"])
+    assert settings["security"]["auth"]["selectedType"] == "gemini-api-key"
+    assert settings["model"]["maxSessionTurns"] == 7
+    assert settings["privacy"]["usageStatisticsEnabled"] is False and settings["general"]["maxAttempts"] == 3
+    assert settings["tools"] == {"core": ["run_shell_command"]} and "COMPLETE_TASK" in env["HARNESS_GEMINI_SYSTEM"]
+    assert env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:1" and env["GEMINI_API_KEY"] == "k"
+    assert "--yolo" in command and "GEMINI_SYSTEM_MD" not in make_harness("gemini-cli").prepare(run)[1]
+    own = tmp_path / "settings.json"
+    own.write_text(json.dumps({"general": {"vimMode": True, "maxAttempts": 10}, "ui": {"theme": "x"}}))
+    mine = json.loads(make_harness("gemini-cli", config=str(own)).prepare(run)[1]["HARNESS_GEMINI_SETTINGS"])
+    assert mine["general"]["vimMode"] is True and mine["general"]["maxAttempts"] == 3 and mine["ui"] == {"theme": "x"}
+    with pytest.raises(HarnessError, match="no such file"):
+        make_harness("gemini-cli", config=str(tmp_path / "missing.json"))
+    recorded = Path(__file__).with_name("gemini_cli_run")
+    box = LocalSandbox(tmp_path / "trial")
+    box.start()
+    for name in ("events.jsonl", "session.jsonl"):
+        (box.host_path("/logs/agent") / name).parent.mkdir(parents=True, exist_ok=True)
+        (box.host_path("/logs/agent") / name).write_text((recorded / name).read_text())
+    report = make_harness("gemini-cli").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+    assert report.tool_calls_by_name == {"run_shell_command": 3, "no_such_tool": 1}
+    assert report.tool_failure_count == 3 and report.invalid_tool_calls == 1  # exit 2, blocked, unknown tool
+    assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure
 
 
 # ---- rewards ------------------------------------------------------------------------------------------------

@@ -55,21 +55,23 @@ def test_oracle_solves_every_toy_task(engine, tmp_path):
 
 # (harness, --agent-config, its shell tool, the dialect it speaks)
 NPM_AGENTS = [("claude-code", "bare", "Bash", "anthropic"), ("claude-code", "full", "Bash", "anthropic"),
-              ("codex", None, "exec_command", "responses")]
+              ("codex", None, "exec_command", "responses"), ("gemini-cli", "compact", "run_shell_command", "google"),
+              ("gemini-cli", "full", "run_shell_command", "google")]
+NAMES = ("claude-code-bare", "claude-code-full", "codex", "gemini-cli-compact", "gemini-cli-full")
 
-
-# one per (agent x dialect) in the default tier (claude-code on 3 tasks, codex, slower to start, on 2); every
-# variant on 7 tasks in the slow tier
+# one per (agent x dialect) in the default tier (claude-code on 3 tasks, codex and gemini-cli, slower to start, on
+# 2); every variant on 7 tasks in the slow tier
 CHAIN_CASES = [pytest.param(*agent, limits, id=f"{name}") for agent, name, limits in
-               ((NPM_AGENTS[0], "claude-code-bare", (1, 2)), (NPM_AGENTS[2], "codex", (1, 1)))] + \
+               ((NPM_AGENTS[0], NAMES[0], (1, 2)), (NPM_AGENTS[2], NAMES[2], (1, 1)),
+                (NPM_AGENTS[3], NAMES[3], (1, 1)))] + \
               [pytest.param(*agent, (2, 5), id=f"{name}-7-tasks", marks=pytest.mark.slow) for agent, name in
-               zip(NPM_AGENTS, ("claude-code-bare", "claude-code-full", "codex"))]
+               zip(NPM_AGENTS, NAMES)]
 
 
 @pytest.mark.parametrize("harness,mode,shell,dialect,limits", CHAIN_CASES)
-def test_claude_code_and_codex_with_the_oracle_solve_toy_and_bugfix_tasks_as_one_chain(
+def test_npm_agents_with_the_oracle_solve_toy_and_bugfix_tasks_as_one_chain(
         engine, tmp_path, harness, mode, shell, dialect, limits):
-    """The real binaries, in the sandbox, through the proxy's Anthropic / Responses dialect: the oracle's
+    """The real programs, in the sandbox, through the proxy's Anthropic / Responses / Google dialect: the oracle's
     answers are calls to the agent's own shell tool, the verifier scores them, and each multi-turn rollout is
     ONE chain (for claude-code: no per-call attribution hash breaking the prefix)."""
     from harness_trainer.training.packing import chains_from_trace

@@ -1,0 +1,145 @@
+"""gemini-cli (npm @google/gemini-cli), unmodified, as Harbor's recipe drives it: `gemini --yolo --model=M
+--prompt=TASK` in a trusted workspace, its API key and base URL pointed at the capture session, which it speaks
+to in Google's Gemini API (the proxy's google dialect). Its settings pre-select API-key auth (headless, it cannot
+ask), turn usage statistics, telemetry and update checks off, bound its retries (with no server it retries for
+minutes; the proxy already retries the engine) and its turns (the step limit).
+
+It is a Node program: `make setup` copies the host's `node` beside it, so a task image needs no Node (a glibc
+userland with libstdc++, which every Debian or Ubuntu image has). What it did is read from its stream-json
+events (tool calls, failed and unknown tools, its own report of an API failure) and from its session file (a
+shell command's exit code, which the events leave out).
+
+`agent_config`: none or "full" (its own ~30 kB system prompt and 15 tools), "compact" (a short system prompt
+and its shell tool alone, for small models: GEMINI_SYSTEM_MD and tools.core), or a settings.json file merged
+under the generated one (the auth, endpoint and limits stay the harness's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from harness_trainer._exceptions import HarnessError
+from harness_trainer.agents.base import AgentReport, AgentRun, read_file
+from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+
+HOME = REPO_ROOT / ".tools" / "gemini-cli"
+NODE = HOME / "bin" / "node"
+GEMINI = HOME / "node_modules" / "@google" / "gemini-cli" / "bundle" / "gemini.js"
+COMPACT_PROMPT = Path(__file__).with_name("gemini_compact.md")
+SHELL = "run_shell_command"
+INVALID = ("tool_not_registered", "invalid_tool_params")  # its error types for a call it could not make
+EXIT_CODE = re.compile(r"\nExit Code: (-?\d+)")
+BLOCKED = "Command injection detected"  # what it tells the model of a command with $(), `...`, <() or >()
+
+
+def settings(run: AgentRun, overrides: dict, compact: bool) -> dict:
+    ours = {"security": {"auth": {"selectedType": "gemini-api-key"}},
+            "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+            "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False, "maxAttempts": 3},
+            "model": {"maxSessionTurns": int(run.step_limit)}}
+    merged = dict(overrides)
+    for key, value in ours.items():
+        merged[key] = {**(overrides.get(key) or {}), **value} if isinstance(overrides.get(key), dict) else value
+    if compact:
+        merged["tools"] = {**(merged.get("tools") or {}), "core": [SHELL]}
+    return merged
+
+
+class GeminiCli:
+    name = "gemini-cli"
+
+    def __init__(self, config: str | None = None):
+        self.compact = config == "compact"
+        self.overrides: dict = {}
+        if config not in (None, "full", "compact"):
+            path = Path(config)
+            if not path.is_file():
+                raise HarnessError(f"--agent-config {config}: no such file (give gemini-cli's settings.json, "
+                                   "'compact' for the packaged short prompt with its shell tool alone, or 'full')")
+            try:
+                self.overrides = json.loads(path.read_text())
+            except ValueError as error:
+                raise HarnessError(f"--agent-config {config}: not valid JSON ({error}); give a settings.json") \
+                    from None
+            if not isinstance(self.overrides, dict):
+                raise HarnessError(f"--agent-config {config}: a settings.json holds one JSON object")
+
+    def check_installed(self) -> None:
+        for path in (GEMINI, NODE):
+            if not path.exists():
+                raise HarnessError(f"gemini-cli is not installed ({path} is missing): run `make setup` (needs npm "
+                                   "and Node.js 20+)")
+
+    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+        env = {"HOME": "/home", "PWD": run.workdir, "HARNESS_TASK": run.instruction,
+               "HARNESS_GEMINI_SETTINGS": json.dumps(settings(run, self.overrides, self.compact)),
+               "GEMINI_API_KEY": run.api_key, "GOOGLE_GEMINI_BASE_URL": run.base_url.removesuffix("/v1"),
+               "GEMINI_CLI_TRUST_WORKSPACE": "true",  # else --yolo falls back to asking, which headless cannot
+               "GEMINI_CLI_NO_RELAUNCH": "true",  # it would start itself again in a child Node for a larger heap
+               "NO_COLOR": "1"}
+        write = "mkdir -p /logs/agent /home/.gemini && " \
+                "printf '%s' \"$HARNESS_GEMINI_SETTINGS\" > /home/.gemini/settings.json && "
+        if self.compact:
+            env |= {"HARNESS_GEMINI_SYSTEM": COMPACT_PROMPT.read_text(), "GEMINI_SYSTEM_MD": "/home/.gemini/system.md"}
+            write += "printf '%s' \"$HARNESS_GEMINI_SYSTEM\" > /home/.gemini/system.md && "
+        # its session file, for the exit codes its events leave out, kept beside the events
+        keep = "cp \"$(ls -t /home/.gemini/tmp/*/chats/session-*.jsonl 2>/dev/null | head -n 1)\" " \
+               "/logs/agent/session.jsonl 2>/dev/null"
+        command = (f"{write}{{ {shlex.quote(str(NODE))} {shlex.quote(str(GEMINI))} --yolo "
+                   f"--model={shlex.quote(run.model)} --prompt=\"$HARNESS_TASK\" --output-format stream-json "
+                   f"</dev/null >/logs/agent/events.jsonl; code=$?; {keep}; exit $code; }}")
+        return command, env
+
+    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+        report = AgentReport(exit_status=f"exit {result.returncode}")
+        joining = False  # the last assistant message is still arriving in pieces (delta events)
+        for line in (read_file(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            kind = event.get("type")
+            if kind == "message" and event.get("role") == "assistant" and event.get("content"):
+                if joining and event.get("delta"):
+                    report.completion[-1]["content"] += event["content"]
+                else:
+                    report.completion.append({"role": "assistant", "content": event["content"]})
+                joining = bool(event.get("delta"))
+                continue
+            joining = False
+            if kind == "tool_use":
+                name = event.get("tool_name") or "?"
+                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+            elif kind == "tool_result" and event.get("status") == "error":
+                report.tool_failure_count += 1
+                report.invalid_tool_calls += (event.get("error") or {}).get("type") in INVALID
+            elif kind == "result" and event.get("status") == "error":
+                message = str((event.get("error") or {}).get("message") or "error")[:300]
+                report.exit_status += f"; gemini-cli error: {message}"
+                if message.startswith("[API Error"):  # not a turn limit: the model API failed it
+                    report.failure = f"gemini-cli: {message}"
+        report.tool_failure_count += failed_commands(read_file(sandbox, "/logs/agent/session.jsonl") or "")
+        return report
+
+
+def failed_commands(session: str) -> int:
+    """Shell commands that exited non-zero or that it refused to run (command substitution, which it blocks even
+    with --yolo), which its events call successes; from its session file, where each tool call is written twice
+    (in flight, then with its result), so they are counted by id."""
+    failed = set()
+    for line in session.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for call in record.get("toolCalls") or [] if isinstance(record, dict) else []:
+            if call.get("name") != SHELL or call.get("status") != "success":
+                continue
+            for part in call.get("result") or []:
+                output = str(((part.get("functionResponse") or {}).get("response") or {}).get("output", ""))
+                if output.startswith(BLOCKED) or ((code := EXIT_CODE.search(output)) and code.group(1) != "0"):
+                    failed.add(call.get("id"))
+    return len(failed)
