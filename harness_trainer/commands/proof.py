@@ -84,6 +84,9 @@ RECIPES = {
     # than opencode's full prompt, through which the tiny model's SFT did not learn to copy), Anthropic Messages
     # through the proxy; opencode's recipe otherwise.
     "claude-code": Recipe("claude-code", agent_config="bare", sft_packing="tree"),
+    # gemini-cli in its compact set-up (a short system prompt, its shell tool alone), Google's Gemini API through
+    # the proxy; opencode's recipe otherwise.
+    "gemini-cli": Recipe("gemini-cli", agent_config="compact", sft_packing="tree"),
 }
 
 
@@ -279,8 +282,9 @@ def _parser() -> ArgumentParser:
                         help="start from this SFT model: skip the base eval, the solver and SFT; run the SFT eval "
                              "and the GRPO stage")
     parser.add_argument("--agent-config", default=None,
-                        help="the agent's set-up (default: the harness's recipe: compact for mini-swe-agent and "
-                             "opencode, bare for claude-code; full: the agent's own long prompt and every tool)")
+                        help="the agent's set-up (default: the harness's recipe: compact for mini-swe-agent, "
+                             "opencode and gemini-cli, bare for claude-code; full: the agent's own long prompt and "
+                             "every tool)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="train LoRA adapters of this rank in both stages (lr x10), synced by name (default: 0, "
                              "every weight)")
