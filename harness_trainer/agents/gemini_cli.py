@@ -4,10 +4,10 @@ to in Google's Gemini API (the proxy's google dialect). Its settings pre-select 
 ask), turn usage statistics, telemetry and update checks off, bound its retries (with no server it retries for
 minutes; the proxy already retries the engine) and its turns (the step limit).
 
-It is a Node program: `make setup` copies the host's `node` beside it, so a task image needs no Node (a glibc
-userland with libstdc++, which every Debian or Ubuntu image has). What it did is read from its stream-json
-events (tool calls, failed and unknown tools, its own report of an API failure) and from its session file (a
-shell command's exit code, which the events leave out).
+It is a Node program: `make setup` copies the host's `node` into .tools, mounted like every agent's runtime, so
+a task image needs no Node (a glibc userland with libstdc++, which every Debian or Ubuntu image has). What it
+did is read from its stream-json events (tool calls, failed and unknown tools, its own report of an API
+failure) and from its session file (a shell command's exit code, which the events leave out).
 
 `agent_config`: none or "full" (its own ~30 kB system prompt and 15 tools), "compact" (a short system prompt
 and its shell tool alone, for small models: GEMINI_SYSTEM_MD and tools.core), or a settings.json file merged
@@ -25,9 +25,8 @@ from harness_trainer._exceptions import HarnessError
 from harness_trainer.agents.base import AgentReport, AgentRun, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
-HOME = REPO_ROOT / ".tools" / "gemini-cli"
-NODE = HOME / "bin" / "node"
-GEMINI = HOME / "node_modules" / "@google" / "gemini-cli" / "bundle" / "gemini.js"
+NODE = REPO_ROOT / ".tools" / "node" / "bin" / "node"  # the Node agents' runtime (a copy of the host's)
+GEMINI = REPO_ROOT / ".tools" / "gemini-cli" / "node_modules" / "@google" / "gemini-cli" / "bundle" / "gemini.js"
 COMPACT_PROMPT = Path(__file__).with_name("gemini_compact.md")
 SHELL = "run_shell_command"
 INVALID = ("tool_not_registered", "invalid_tool_params")  # its error types for a call it could not make
@@ -35,37 +34,44 @@ EXIT_CODE = re.compile(r"\nExit Code: (-?\d+)")
 BLOCKED = "Command injection detected"  # what it tells the model of a command with $(), `...`, <() or >()
 
 
+def merge(overrides: dict, ours: dict) -> dict:
+    """A user's settings.json with ours over it, one level deep (their other keys in a section we set stay)."""
+    merged = dict(overrides)
+    for key, value in ours.items():
+        merged[key] = {**overrides[key], **value} if isinstance(overrides.get(key), dict) else value
+    return merged
+
+
+def read_settings(config: str | None, agent: str) -> tuple[bool, dict]:
+    """--agent-config for gemini-cli and qwen-code: (compact?, the user's settings.json or {})."""
+    if config in (None, "full", "compact"):
+        return config == "compact", {}
+    path = Path(config)
+    if not path.is_file():
+        raise HarnessError(f"--agent-config {config}: no such file (give {agent}'s settings.json, 'compact' for the "
+                           "packaged short prompt with its shell tool alone, or 'full')")
+    try:
+        overrides = json.loads(path.read_text())
+    except ValueError as error:
+        raise HarnessError(f"--agent-config {config}: not valid JSON ({error}); give a settings.json") from None
+    if not isinstance(overrides, dict):
+        raise HarnessError(f"--agent-config {config}: a settings.json holds one JSON object")
+    return False, overrides
+
+
 def settings(run: AgentRun, overrides: dict, compact: bool) -> dict:
     ours = {"security": {"auth": {"selectedType": "gemini-api-key"}},
             "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
             "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False, "maxAttempts": 3},
             "model": {"maxSessionTurns": int(run.step_limit)}}
-    merged = dict(overrides)
-    for key, value in ours.items():
-        merged[key] = {**(overrides.get(key) or {}), **value} if isinstance(overrides.get(key), dict) else value
-    if compact:
-        merged["tools"] = {**(merged.get("tools") or {}), "core": [SHELL]}
-    return merged
+    return merge(overrides, ours | ({"tools": {"core": [SHELL]}} if compact else {}))
 
 
 class GeminiCli:
     name = "gemini-cli"
 
     def __init__(self, config: str | None = None):
-        self.compact = config == "compact"
-        self.overrides: dict = {}
-        if config not in (None, "full", "compact"):
-            path = Path(config)
-            if not path.is_file():
-                raise HarnessError(f"--agent-config {config}: no such file (give gemini-cli's settings.json, "
-                                   "'compact' for the packaged short prompt with its shell tool alone, or 'full')")
-            try:
-                self.overrides = json.loads(path.read_text())
-            except ValueError as error:
-                raise HarnessError(f"--agent-config {config}: not valid JSON ({error}); give a settings.json") \
-                    from None
-            if not isinstance(self.overrides, dict):
-                raise HarnessError(f"--agent-config {config}: a settings.json holds one JSON object")
+        self.compact, self.overrides = read_settings(config, "gemini-cli")
 
     def check_installed(self) -> None:
         for path in (GEMINI, NODE):

@@ -1,6 +1,6 @@
 """Harnesses: how to run one unmodified agent program against a capture session, inside a sandbox,
 and what it did, read from its own output (the contract: agents/base.py). mini-swe-agent, opencode and the
-command template live here; claude-code, codex and gemini-cli have a file each.
+command template live here; claude-code, codex, gemini-cli and qwen-code have a file each.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from harness_trainer.agents.base import AgentReport, AgentRun, Harness, read_fil
 from harness_trainer.agents.claude_code import ClaudeCode
 from harness_trainer.agents.codex import Codex
 from harness_trainer.agents.gemini_cli import GeminiCli
+from harness_trainer.agents.qwen_code import QwenCode
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 __all__ = ["HarnessError", "AgentReport", "AgentRun", "Harness", "make_harness"]
@@ -220,9 +221,10 @@ HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
     "claude-code": lambda command, config: ClaudeCode(config),
     "codex": lambda command, config: Codex(),
     "gemini-cli": lambda command, config: GeminiCli(config),
+    "qwen-code": lambda command, config: QwenCode(config),
     "command": _command,
 }
-CONFIGURED = ("mini-swe-agent", "opencode", "claude-code", "gemini-cli")
+CONFIGURED = ("mini-swe-agent", "opencode", "claude-code", "gemini-cli", "qwen-code")
 
 
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:

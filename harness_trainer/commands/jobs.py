@@ -49,7 +49,8 @@ SOURCE_REPO = "harness-train-jobs"  # the private dataset repo (under your names
 SOURCE_MOUNT = "/harness-src"
 ENGINE_PORT, PROXY_PORT = 8000, 8300
 ENGINE_START_S = 1800  # the bound on vLLM's start in the job: loading (not downloading) the largest models
-NPM_AGENTS = ("opencode", "claude-code", "codex", "gemini-cli")
+NPM_AGENTS = ("opencode", "claude-code", "codex", "gemini-cli", "qwen-code")
+NODE_AGENTS = ("gemini-cli", "qwen-code")  # Node programs: they run on the copy setup.sh makes of the image's node
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVORS = ("cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
            "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large",
@@ -190,7 +191,7 @@ def job_script(cfg: JobLaunchConfig, train, gpus: int, source: Source) -> str:
     launcher = (f".venv/bin/accelerate launch --num_processes {gpus - 1} -m harness_trainer.commands.cli train"
                 if gpus > 2 else ".venv/bin/harness-train train")
     steps = ["engine", "trainer", "proxy"] + ([train.harness] if train.harness != "command" else []) + \
-        (["bubblewrap"] if train.sandbox == "local" else [])
+        (["node"] if train.harness in NODE_AGENTS else []) + (["bubblewrap"] if train.sandbox == "local" else [])
     model_flags = [f"--{name.replace('_', '-')}={getattr(train, name)}" for name in
                    ("model_revision", "tool_call_parser", "reasoning_parser", "max_model_len")
                    if getattr(train, name) is not None]

@@ -4,6 +4,7 @@ reward plugins, credentials."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -245,8 +246,9 @@ class UpstreamClient(ProxyClient):
 
 
 @pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), pytest.param("codex", None, marks=pytest.mark.slow),
-                                          pytest.param("gemini-cli", "compact", marks=pytest.mark.slow)],
-                         ids=["claude-code", "codex", "gemini-cli"])  # both retry with back-off: slow tier
+                                          pytest.param("gemini-cli", "compact", marks=pytest.mark.slow),
+                                          pytest.param("qwen-code", "compact", marks=pytest.mark.slow)],
+                         ids=["claude-code", "codex", "gemini-cli", "qwen-code"])  # they retry with back-off: slow
 def test_npm_agents_failures_end_unscorable_with_the_reason(proxy, tmp_path, harness, mode):
     """No server (nothing listens at the agent's base URL) and HTTP 500 from the engine: each rollout ends
     unscorable, with the agent's own words, well inside the agent timeout (codex alone would reconnect forever)."""
@@ -269,15 +271,17 @@ def test_npm_agents_failures_end_unscorable_with_the_reason(proxy, tmp_path, har
             return f"http://127.0.0.1:{closed_port}/v1"
 
     faults = {"no server": (NoServer, dict(proxy=proxy.client)), "HTTP 500": (LocalSessionFactory, dict(proxy=client))}
+    # qwen-code gives up only after 7 tries with back-off (≈ 95 s, not a setting): its task gets the time to
+    task = dataclasses.replace(toy(), agent_timeout_s=240) if harness == "qwen-code" else toy()
     try:
         for fault, (kind, wiring) in faults.items():
             factory = kind({"max_tokens_cap": 16}, harness=harness, agent_config=mode,
-                           output_dir=tmp_path / fault, agent_timeout_s=150, **wiring)
+                           output_dir=tmp_path / fault, agent_timeout_s=240, **wiring)
             started = time.perf_counter()
-            record = run_rollout(factory, toy())
+            record = run_rollout(factory, task)
             assert record.status == "unscorable" and record.outcome.env_reward is None, (fault, record.reason)
             assert "model API failure" in record.reason and harness in record.reason, (fault, record.reason)
-            assert time.perf_counter() - started < 100, fault
+            assert time.perf_counter() - started < (200 if harness == "qwen-code" else 100), fault
     finally:
         stub.shutdown()
 
@@ -309,7 +313,7 @@ def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_
     own.write_text("{not json")
     with pytest.raises(HarnessError, match="not valid JSON"):
         make_harness("opencode", config=str(own))
-    with pytest.raises(HarnessError, match="read by the mini-swe-agent, opencode, claude-code and gemini-cli"):
+    with pytest.raises(HarnessError, match="read by the mini-swe-agent, opencode, claude-code, gemini-cli and qwen"):
         make_harness("codex", config="compact")
 
 
@@ -486,3 +490,34 @@ def test_what_a_trial_links_out_of_itself_is_never_read_or_cleared_on_the_host(t
     trial.clear("/logs/verifier")
     assert (logs / "verifier").is_dir() and not (logs / "verifier").is_symlink()
     assert (keep / "k.txt").read_text() == "keep\n" and secret.read_text() == "host only\n"
+
+
+def test_qwen_code_settings_and_what_it_did(tmp_path):
+    """qwen-code's settings (statistics and updates off, retries and turns bounded; 'compact': its shell tool alone,
+    no skills, auto-memory or start-up context) and what it did, read from a real run's stream-json events
+    (qwen-code 0.24.4 against a scripted server: a command that worked, one that exited 2, one with command
+    substitution, which qwen-code runs, an unknown tool)."""
+    import json
+
+    from harness_trainer.agents.base import AgentRun
+    from harness_trainer.agents.sandbox import ExecResult
+
+    run = AgentRun(instruction="Write hi into out.txt.", model="tiny", base_url="http://127.0.0.1:1/v1", api_key="k",
+                   step_limit=5)
+    command, env = make_harness("qwen-code", config="compact").prepare(run)
+    settings = json.loads(env["HARNESS_QWEN_SETTINGS"])
+    assert settings["model"]["maxSessionTurns"] == 5 and settings["model"]["skipStartupContext"] is True
+    assert settings["tools"]["core"] == ["run_shell_command"] and "skill" in settings["tools"]["disabled"]
+    assert env["OPENAI_BASE_URL"] == run.base_url and env["OPENAI_API_KEY"] == "k" and "QWEN_SYSTEM_MD" in env
+    assert "--yolo --auth-type openai" in command
+    full = json.loads(make_harness("qwen-code").prepare(run)[1]["HARNESS_QWEN_SETTINGS"])
+    assert "tools" not in full and "skipStartupContext" not in full["model"]
+    box = LocalSandbox(tmp_path / "trial")
+    box.start()
+    box.host_path("/logs/agent").mkdir(parents=True, exist_ok=True)
+    recorded = Path(__file__).with_name("qwen_code_run") / "events.jsonl"
+    (box.host_path("/logs/agent") / "events.jsonl").write_text(recorded.read_text())
+    report = make_harness("qwen-code").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+    assert report.tool_calls_by_name == {"run_shell_command": 3, "no_such_tool": 1}
+    assert report.tool_failure_count == 2 and report.invalid_tool_calls == 1  # exit 2, the unknown tool
+    assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure
