@@ -10,8 +10,10 @@ Adding an agent is one small class:
 
 from __future__ import annotations
 
+import json
 import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -53,6 +55,18 @@ class Harness(Protocol):
     def check_installed(self) -> None: ...
     def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]: ...
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport: ...
+
+
+def read_events(sandbox: Sandbox, inside: str = "/logs/agent/events.jsonl") -> Iterator[dict]:
+    """An agent's JSON-lines log, one object a line (a line cut off or not an object, as a killed agent leaves
+    its last one, is skipped)."""
+    for line in (read_file(sandbox, inside) or "").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            yield event
 
 
 def read_file(sandbox: Sandbox, inside: str) -> str | None:

@@ -8,11 +8,10 @@ models whose context cannot hold the full tool set (≈ 70k characters); the def
 
 from __future__ import annotations
 
-import json
 import shlex
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, read_events
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CLAUDE = REPO_ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
@@ -52,11 +51,7 @@ class ClaudeCode:
         """Tool calls by name (tool_use blocks), failures (tool_result is_error) and the final result, from its
         stream-json events."""
         report = AgentReport(exit_status=f"exit {result.returncode}")
-        for line in (read_file(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
+        for event in read_events(sandbox):
             blocks = (event.get("message") or {}).get("content") or []
             for block in blocks if isinstance(blocks, list) else []:
                 if block.get("type") == "tool_use":

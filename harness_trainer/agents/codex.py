@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, read_events
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 CODEX_PACKAGES = REPO_ROOT / ".tools" / "codex" / "node_modules" / "@openai"
@@ -78,11 +78,7 @@ class Codex:
         `error` events (reconnecting, killed)."""
         report = AgentReport(exit_status=f"exit {result.returncode}")
         errors, completed = [], False
-        for line in (read_file(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
+        for event in read_events(sandbox):
             kind, item = event.get("type"), event.get("item") or {}
             if kind == "item.completed" and item.get("type") in TOOL_ITEMS:
                 name = TOOL_ITEMS[item["type"]] or item.get("tool") or "?"

@@ -22,7 +22,7 @@ import shlex
 from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, read_events, read_file
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
 NODE = REPO_ROOT / ".tools" / "node" / "bin" / "node"  # the Node agents' runtime (a copy of the host's)
@@ -102,11 +102,7 @@ class GeminiCli:
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
         report = AgentReport(exit_status=f"exit {result.returncode}")
         joining = False  # the last assistant message is still arriving in pieces (delta events)
-        for line in (read_file(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
+        for event in read_events(sandbox):
             kind = event.get("type")
             if kind == "message" and event.get("role") == "assistant" and event.get("content"):
                 if joining and event.get("delta"):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, Harness, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, Harness, read_events, read_file
 from harness_trainer.agents.claude_code import ClaudeCode
 from harness_trainer.agents.codex import Codex
 from harness_trainer.agents.gemini_cli import GeminiCli
@@ -149,12 +149,7 @@ class OpenCode:
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
         report = AgentReport(exit_status=f"exit {result.returncode}")
-        text = read_file(sandbox, "/logs/agent/events.jsonl") or ""
-        for line in text.splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
+        for event in read_events(sandbox):
             part = event.get("part") or {}
             if part.get("type") == "tool":
                 name = part.get("tool", "?")

@@ -18,7 +18,7 @@ import shlex
 from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_file
+from harness_trainer.agents.base import AgentReport, AgentRun, read_events
 from harness_trainer.agents.gemini_cli import NODE, SHELL, merge, read_settings
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
 
@@ -72,12 +72,8 @@ class QwenCode:
 
     def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
         report = AgentReport(exit_status=f"exit {result.returncode}")
-        for line in (read_file(sandbox, "/logs/agent/events.jsonl") or "").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            blocks = (event.get("message") or {}).get("content") if isinstance(event, dict) else None
+        for event in read_events(sandbox):
+            blocks = (event.get("message") or {}).get("content")
             for block in blocks if isinstance(blocks, list) else []:
                 kind = block.get("type")
                 if kind == "tool_use":
@@ -88,7 +84,7 @@ class QwenCode:
                     report.invalid_tool_calls += UNKNOWN_TOOL in str(block.get("content"))
                 elif kind == "text" and event.get("type") == "assistant" and block.get("text"):
                     report.completion.append({"role": "assistant", "content": block["text"]})
-            if isinstance(event, dict) and event.get("type") == "result" and event.get("is_error"):
+            if event.get("type") == "result" and event.get("is_error"):
                 message = str((event.get("error") or {}).get("message") or event.get("subtype"))[:300]
                 report.exit_status += f"; qwen-code error: {message}"
                 if message.startswith("[API Error"):  # not a turn limit: the model API failed it
