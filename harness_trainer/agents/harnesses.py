@@ -1,6 +1,6 @@
 """Harnesses: how to run one unmodified agent program against a capture session, inside a sandbox,
 and what it did, read from its own output (the contract: agents/base.py). mini-swe-agent, opencode and the
-command template live here; claude-code, codex, gemini-cli and qwen-code have a file each.
+command template live here; claude-code, codex, cline, gemini-cli and qwen-code have a file each.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from harness_trainer._exceptions import HarnessError
 from harness_trainer.agents.base import AgentReport, AgentRun, Harness, read_events, read_file
 from harness_trainer.agents.claude_code import ClaudeCode
+from harness_trainer.agents.cline import Cline
 from harness_trainer.agents.codex import Codex
 from harness_trainer.agents.gemini_cli import GeminiCli
 from harness_trainer.agents.qwen_code import QwenCode
@@ -215,6 +216,7 @@ HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
     "opencode": lambda command, config: OpenCode(config),
     "claude-code": lambda command, config: ClaudeCode(config),
     "codex": lambda command, config: Codex(),
+    "cline": lambda command, config: Cline(),
     "gemini-cli": lambda command, config: GeminiCli(config),
     "qwen-code": lambda command, config: QwenCode(config),
     "command": _command,

@@ -19,7 +19,7 @@ def option(default, help_text: str, **metadata):
 @dataclass
 class RolloutConfig:
     harness: str = option("mini-swe-agent",
-                          "mini-swe-agent, opencode, claude-code, codex, gemini-cli, qwen-code or command")
+                          "mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code or command")
     dataset: str = option("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME; with "
                                                "--environment, a .jsonl (or .json) of rows with a 'prompt' column")
     environment: str | None = option(None, "white-box instead of an agent: module:Class, TRL's "

@@ -1,6 +1,7 @@
 """The oracle policy: a scripted OpenAI-compatible upstream that answers each model call with the task's
 known solution (solution/solve.sh) as a call to the agent's shell tool (`bash`, claude-code's `Bash`, codex's
-`exec_command`, gemini-cli's `run_shell_command`), then with the harness's submit command.
+`exec_command`, gemini-cli's and qwen-code's `run_shell_command`, cline's `run_commands`), then with the
+harness's submit command.
 
 It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
 traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
@@ -32,12 +33,20 @@ from harness_trainer.serving.process import free_port
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 # each agent's shell tool and the name of its command argument
-SHELL_TOOLS = {"bash": "command", "Bash": "command", "exec_command": "cmd", "run_shell_command": "command"}
+SHELL_TOOLS = {"bash": "command", "Bash": "command", "exec_command": "cmd", "run_shell_command": "command",
+               "run_commands": "commands"}  # cline's takes a list of commands
 
 
 def _command(arguments: str) -> str | None:
     args = json.loads(arguments)
+    if isinstance(args, dict) and isinstance(args.get("commands"), list) and args["commands"]:
+        return args["commands"][0]
     return next((args[key] for key in ("command", "cmd") if key in args), None) if isinstance(args, dict) else None
+
+
+def shell_arguments(tool: str, command: str) -> str:
+    key = SHELL_TOOLS[tool]
+    return json.dumps({key: [command] if key == "commands" else command})
 
 
 def plausible_mistake(command: str) -> str:
@@ -138,7 +147,7 @@ class OracleUpstream:
             step = todo[0]
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": shell, "arguments": json.dumps({SHELL_TOOLS[shell]: step})}}]}
+            "function": {"name": shell, "arguments": shell_arguments(shell, step)}}]}
 
     # ---- in the engine's own tokens -------------------------------------------------------------------------
 

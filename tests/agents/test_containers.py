@@ -179,8 +179,8 @@ def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, t
     pytest.param("opencode", "compact", marks=pytest.mark.slow), pytest.param("claude-code", "bare",
                                                                               marks=pytest.mark.slow),
     pytest.param("codex", None, marks=pytest.mark.slow), pytest.param("gemini-cli", "compact", marks=pytest.mark.slow),
-    pytest.param("qwen-code", "compact", marks=pytest.mark.slow)],
-    ids=["mini-swe-agent", "opencode", "claude-code", "codex", "gemini-cli", "qwen-code"])
+    pytest.param("qwen-code", "compact", marks=pytest.mark.slow), pytest.param("cline", None, marks=pytest.mark.slow)],
+    ids=["mini-swe-agent", "opencode", "claude-code", "codex", "gemini-cli", "qwen-code", "cline"])
 def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine, docker, tmp_path):
     """Harbor's oracle (solution/ uploaded, solve.sh run unchanged through its shebang) through the real agent,
     each task in its built image (one without Python or Node among them: the agent's runtime is mounted); every

@@ -247,8 +247,9 @@ class UpstreamClient(ProxyClient):
 
 @pytest.mark.parametrize("harness,mode", [("claude-code", "bare"), pytest.param("codex", None, marks=pytest.mark.slow),
                                           pytest.param("gemini-cli", "compact", marks=pytest.mark.slow),
-                                          pytest.param("qwen-code", "compact", marks=pytest.mark.slow)],
-                         ids=["claude-code", "codex", "gemini-cli", "qwen-code"])  # they retry with back-off: slow
+                                          pytest.param("qwen-code", "compact", marks=pytest.mark.slow),
+                                          pytest.param("cline", None, marks=pytest.mark.slow)],
+                         ids=["claude-code", "codex", "gemini-cli", "qwen-code", "cline"])  # back-off: slow
 def test_npm_agents_failures_end_unscorable_with_the_reason(proxy, tmp_path, harness, mode):
     """No server (nothing listens at the agent's base URL) and HTTP 500 from the engine: each rollout ends
     unscorable, with the agent's own words, well inside the agent timeout (codex alone would reconnect forever)."""
@@ -271,8 +272,10 @@ def test_npm_agents_failures_end_unscorable_with_the_reason(proxy, tmp_path, har
             return f"http://127.0.0.1:{closed_port}/v1"
 
     faults = {"no server": (NoServer, dict(proxy=proxy.client)), "HTTP 500": (LocalSessionFactory, dict(proxy=client))}
-    # qwen-code gives up only after 7 tries with back-off (≈ 95 s, not a setting): its task gets the time to
-    task = dataclasses.replace(toy(), agent_timeout_s=240) if harness == "qwen-code" else toy()
+    # qwen-code and cline give up only after tries with back-off (≈ 95 s and 66 s, not settings): their task gets
+    # the time to
+    slow = harness in ("qwen-code", "cline")
+    task = dataclasses.replace(toy(), agent_timeout_s=240) if slow else toy()
     try:
         for fault, (kind, wiring) in faults.items():
             factory = kind({"max_tokens_cap": 16}, harness=harness, agent_config=mode,
@@ -281,7 +284,7 @@ def test_npm_agents_failures_end_unscorable_with_the_reason(proxy, tmp_path, har
             record = run_rollout(factory, task)
             assert record.status == "unscorable" and record.outcome.env_reward is None, (fault, record.reason)
             assert "model API failure" in record.reason and harness in record.reason, (fault, record.reason)
-            assert time.perf_counter() - started < (200 if harness == "qwen-code" else 100), fault
+            assert time.perf_counter() - started < (200 if slow else 100), fault
     finally:
         stub.shutdown()
 
@@ -519,5 +522,27 @@ def test_qwen_code_settings_and_what_it_did(tmp_path):
     (box.host_path("/logs/agent") / "events.jsonl").write_text(recorded.read_text())
     report = make_harness("qwen-code").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
     assert report.tool_calls_by_name == {"run_shell_command": 3, "no_such_tool": 1}
+    assert report.tool_failure_count == 2 and report.invalid_tool_calls == 1  # exit 2, the unknown tool
+    assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure
+
+
+def test_cline_is_pointed_at_the_session_and_what_it_did_is_read(tmp_path):
+    """cline's own auth command names the session as its OpenAI-compatible provider; what it did, read from a real
+    run's --json events (cline 3.0.65 against a scripted server: a command that worked, one that exited 2, one
+    with command substitution, an unknown tool)."""
+    from harness_trainer.agents.base import AgentRun
+    from harness_trainer.agents.sandbox import ExecResult
+
+    run = AgentRun(instruction="-n is not a flag here", model="tiny", base_url="http://127.0.0.1:1/v1", api_key="k")
+    command, env = make_harness("cline").prepare(run)
+    assert "auth -p openai -k \"$HARNESS_CAPTURE_KEY\" -m tiny -b http://127.0.0.1:1/v1" in command
+    assert "--json -m tiny -- \"$HARNESS_TASK\"" in command and env["HARNESS_CAPTURE_KEY"] == "k"
+    box = LocalSandbox(tmp_path / "trial")
+    box.start()
+    box.host_path("/logs/agent").mkdir(parents=True, exist_ok=True)
+    recorded = Path(__file__).with_name("cline_run") / "events.jsonl"
+    (box.host_path("/logs/agent") / "events.jsonl").write_text(recorded.read_text())
+    report = make_harness("cline").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+    assert report.tool_calls_by_name == {"run_commands": 3, "no_such_tool": 1}
     assert report.tool_failure_count == 2 and report.invalid_tool_calls == 1  # exit 2, the unknown tool
     assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure

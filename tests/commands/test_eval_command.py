@@ -58,18 +58,19 @@ SHELL = "run_shell_command"
 NPM_AGENTS = [("claude-code", "bare", "Bash", "anthropic"), ("claude-code", "full", "Bash", "anthropic"),
               ("codex", None, "exec_command", "responses"), ("gemini-cli", "compact", SHELL, "google"),
               ("gemini-cli", "full", SHELL, "google"), ("qwen-code", "compact", SHELL, "chat"),
-              ("qwen-code", "full", SHELL, "chat")]
+              ("qwen-code", "full", SHELL, "chat"), ("cline", None, "run_commands", "chat")]
 NAMES = ("claude-code-bare", "claude-code-full", "codex", "gemini-cli-compact", "gemini-cli-full", "qwen-code-compact",
-         "qwen-code-full")
+         "qwen-code-full", "cline")
 # qwen-code runs a `sed -i` only on a file its read_file tool has read (even with --yolo); the oracle plays the
 # bugfix set's sed edits without reading, so qwen-code is held to the toy set (docs/rollouts.md)
 SETS = {name: (7, 0) if name.startswith("qwen-code") else (2, 5) for name in NAMES}
 
-# one per agent in the default tier (claude-code on 3 tasks, codex, gemini-cli and qwen-code, slower to start, on
-# 2 or 1); every variant on 7 tasks in the slow tier
+# one per agent in the default tier (claude-code on 3 tasks, codex, gemini-cli, qwen-code and cline, slower to
+# start, on 2 or 1); every variant on 7 tasks in the slow tier
 CHAIN_CASES = [pytest.param(*agent, limits, id=f"{name}") for agent, name, limits in
                ((NPM_AGENTS[0], NAMES[0], (1, 2)), (NPM_AGENTS[2], NAMES[2], (1, 1)),
-                (NPM_AGENTS[3], NAMES[3], (1, 1)), (NPM_AGENTS[5], NAMES[5], (1, 0)))] + \
+                (NPM_AGENTS[3], NAMES[3], (1, 1)), (NPM_AGENTS[5], NAMES[5], (1, 0)),
+                (NPM_AGENTS[7], NAMES[7], (1, 1)))] + \
               [pytest.param(*agent, SETS[name], id=f"{name}-7-tasks", marks=pytest.mark.slow) for agent, name in
                zip(NPM_AGENTS, NAMES)]
 
@@ -77,7 +78,7 @@ CHAIN_CASES = [pytest.param(*agent, limits, id=f"{name}") for agent, name, limit
 @pytest.mark.parametrize("harness,mode,shell,dialect,limits", CHAIN_CASES)
 def test_npm_agents_with_the_oracle_solve_toy_and_bugfix_tasks_as_one_chain(
         engine, tmp_path, harness, mode, shell, dialect, limits):
-    """The real programs, in the sandbox, through the proxy's Anthropic / Responses / Google / chat dialect: the
+    """The real programs, in the sandbox, through the proxy's Anthropic / Responses / Google / chat dialects: the
     oracle's answers are calls to the agent's own shell tool, the verifier scores them, and each multi-turn
     rollout is ONE chain (for claude-code: no per-call attribution hash breaking the prefix)."""
     from harness_trainer.training.packing import chains_from_trace
