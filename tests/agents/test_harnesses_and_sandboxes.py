@@ -320,6 +320,19 @@ def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_
         make_harness("codex", config="compact")
 
 
+def replay(harness: str, recorded: str, tmp_path):
+    """What `harness` reads of a real run of its agent, from that run's logs (tests/agents/RECORDED/) put where the
+    agent left them in a trial."""
+    from harness_trainer.agents.sandbox import ExecResult
+
+    box = LocalSandbox(tmp_path / "trial")
+    box.start()
+    box.host_path("/logs/agent").mkdir(parents=True, exist_ok=True)
+    for log in Path(__file__).with_name(recorded).iterdir():
+        (box.host_path("/logs/agent") / log.name).write_text(log.read_text())
+    return make_harness(harness).collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+
+
 def test_gemini_cli_settings_and_what_it_did(tmp_path):
     """gemini-cli's settings: API-key auth pre-selected, statistics and updates off, retries and turns bounded,
     'compact' its shell tool alone with a short system prompt, a user's settings.json merged under ours. What it
@@ -328,7 +341,6 @@ def test_gemini_cli_settings_and_what_it_did(tmp_path):
     import json
 
     from harness_trainer.agents.base import AgentRun
-    from harness_trainer.agents.sandbox import ExecResult
 
     run = AgentRun(instruction="Write hi into out.txt.", model="tiny", base_url="http://127.0.0.1:1/v1", api_key="k",
                    step_limit=7)
@@ -346,13 +358,7 @@ def test_gemini_cli_settings_and_what_it_did(tmp_path):
     assert mine["general"]["vimMode"] is True and mine["general"]["maxAttempts"] == 3 and mine["ui"] == {"theme": "x"}
     with pytest.raises(HarnessError, match="no such file"):
         make_harness("gemini-cli", config=str(tmp_path / "missing.json"))
-    recorded = Path(__file__).with_name("gemini_cli_run")
-    box = LocalSandbox(tmp_path / "trial")
-    box.start()
-    for name in ("events.jsonl", "session.jsonl"):
-        (box.host_path("/logs/agent") / name).parent.mkdir(parents=True, exist_ok=True)
-        (box.host_path("/logs/agent") / name).write_text((recorded / name).read_text())
-    report = make_harness("gemini-cli").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+    report = replay("gemini-cli", "gemini_cli_run", tmp_path)
     assert report.tool_calls_by_name == {"run_shell_command": 3, "no_such_tool": 1}
     assert report.tool_failure_count == 3 and report.invalid_tool_calls == 1  # exit 2, blocked, unknown tool
     assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure
@@ -503,7 +509,6 @@ def test_qwen_code_settings_and_what_it_did(tmp_path):
     import json
 
     from harness_trainer.agents.base import AgentRun
-    from harness_trainer.agents.sandbox import ExecResult
 
     run = AgentRun(instruction="Write hi into out.txt.", model="tiny", base_url="http://127.0.0.1:1/v1", api_key="k",
                    step_limit=5)
@@ -515,12 +520,7 @@ def test_qwen_code_settings_and_what_it_did(tmp_path):
     assert "--yolo --auth-type openai" in command
     full = json.loads(make_harness("qwen-code").prepare(run)[1]["HARNESS_QWEN_SETTINGS"])
     assert "tools" not in full and "skipStartupContext" not in full["model"]
-    box = LocalSandbox(tmp_path / "trial")
-    box.start()
-    box.host_path("/logs/agent").mkdir(parents=True, exist_ok=True)
-    recorded = Path(__file__).with_name("qwen_code_run") / "events.jsonl"
-    (box.host_path("/logs/agent") / "events.jsonl").write_text(recorded.read_text())
-    report = make_harness("qwen-code").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+    report = replay("qwen-code", "qwen_code_run", tmp_path)
     assert report.tool_calls_by_name == {"run_shell_command": 3, "no_such_tool": 1}
     assert report.tool_failure_count == 2 and report.invalid_tool_calls == 1  # exit 2, the unknown tool
     assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure
@@ -531,18 +531,12 @@ def test_cline_is_pointed_at_the_session_and_what_it_did_is_read(tmp_path):
     run's --json events (cline 3.0.65 against a scripted server: a command that worked, one that exited 2, one
     with command substitution, an unknown tool)."""
     from harness_trainer.agents.base import AgentRun
-    from harness_trainer.agents.sandbox import ExecResult
 
     run = AgentRun(instruction="-n is not a flag here", model="tiny", base_url="http://127.0.0.1:1/v1", api_key="k")
     command, env = make_harness("cline").prepare(run)
     assert "auth -p openai -k \"$HARNESS_CAPTURE_KEY\" -m tiny -b http://127.0.0.1:1/v1" in command
     assert "--json -m tiny -- \"$HARNESS_TASK\"" in command and env["HARNESS_CAPTURE_KEY"] == "k"
-    box = LocalSandbox(tmp_path / "trial")
-    box.start()
-    box.host_path("/logs/agent").mkdir(parents=True, exist_ok=True)
-    recorded = Path(__file__).with_name("cline_run") / "events.jsonl"
-    (box.host_path("/logs/agent") / "events.jsonl").write_text(recorded.read_text())
-    report = make_harness("cline").collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
+    report = replay("cline", "cline_run", tmp_path)
     assert report.tool_calls_by_name == {"run_commands": 3, "no_such_tool": 1}
     assert report.tool_failure_count == 2 and report.invalid_tool_calls == 1  # exit 2, the unknown tool
     assert report.completion == [{"role": "assistant", "content": "Done."}] and not report.failure
