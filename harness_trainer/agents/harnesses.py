@@ -222,6 +222,8 @@ HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
     "command": _command,
 }
 CONFIGURED = ("mini-swe-agent", "opencode", "claude-code", "gemini-cli", "qwen-code")
+# the ones whose own tools refuse to edit a file not read this session (the oracle reads it first, oracle.py)
+READ_BEFORE_EDIT = ("qwen-code",)
 
 
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:

@@ -6,9 +6,9 @@ bound its retries and turns; it runs on the same copied node as gemini-cli (a ta
 What it did is read from its stream-json events, which are claude-code's shape: tool_use blocks, tool_result
 blocks with `is_error` (a non-zero exit included), the result's `[API Error: ...]` when the model API failed it.
 
-`agent_config`: none or "full" (its own ≈ 19k-token prompt, 14 tools and its skills list), "compact" (a short
-system prompt, its shell tool alone, no skills, auto-memory or start-up context: ≈ 2k tokens, the shell tool's
-own description being most of it), or a settings.json file merged under the generated one.
+`agent_config`: none or "full" (its own ≈ 14k-token prompt, 14 tools and its skills list), "compact" (a short
+system prompt, its shell and read_file tools, no skills, auto-memory or start-up context: ≈ 1.1k tokens, the two
+tools' own descriptions being most of it), or a settings.json file merged under the generated one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ COMPACT_PROMPT = Path(__file__).with_name("gemini_compact.md")  # the same two l
 # What 0.24.4 registers beside the shell tool even under tools.core (the rest of its tools are already gone).
 ALWAYS_ON = ["agent", "get_goal", "list_agents", "skill", "tool_call", "tool_search", "update_goal", "enter_worktree",
              "exit_worktree", "record_artifact", "report_findings", "send_message", "task_stop"]
-COMPACT = {"tools": {"core": [SHELL], "disabled": ALWAYS_ON},
+# read_file stays: its shell runs a plain `sed -i` as an edit, refused on a file read_file has not read this session
+COMPACT = {"tools": {"core": [SHELL, "read_file"], "disabled": ALWAYS_ON},
            "skills": {"disabledLevels": ["project", "user", "extension", "bundled"]},
            "memory": {"enableManagedAutoMemory": False}}
 UNKNOWN_TOOL = "not found in registry"  # its answer to a call of a tool it does not have

@@ -3,6 +3,10 @@ known solution (solution/solve.sh) as a call to the agent's shell tool (`bash`, 
 `exec_command`, gemini-cli's and qwen-code's `run_shell_command`, cline's `run_commands`), then with the
 harness's submit command.
 
+An agent whose own tools refuse to edit a file this session has not read (qwen-code's shell turns a plain `sed -i`
+into its edit tool, which does) is answered as a careful solver in it works: `pwd`, then its `read_file` on the file's
+absolute path, then the edit (`read_before_edit`).
+
 It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
 traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
 are the real engine's: the prompt is tokenised by vLLM's /tokenize, the answer is rendered in the model's
@@ -49,6 +53,40 @@ def shell_arguments(tool: str, command: str) -> str:
     return json.dumps({key: [command] if key == "commands" else command})
 
 
+def edited_file(command: str) -> str | None:
+    """The file a plain one-line `sed -i EXPR FILE` edits (what qwen-code takes over), else None."""
+    if "\n" in command or any(c in command for c in ";&|<>`$"):
+        return None
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    return words[-1] if len(words) >= 3 and words[0] == "sed" and "-i" in words[1:-1] else None
+
+
+def _text(content) -> str:
+    if isinstance(content, list):  # content parts
+        return "\n".join(str(part.get("text", "")) if isinstance(part, dict) else str(part) for part in content)
+    return str(content or "")
+
+
+def shell_output_of(messages: list[dict], command: str) -> str | None:
+    """What the agent's shell tool answered to this command (the tool message of its call), or None."""
+    ids = {c.get("id") for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []
+           if c.get("function", {}).get("arguments") and _command(c["function"]["arguments"]) == command}
+    return next((_text(m.get("content")) for m in messages if m.get("role") == "tool" and m.get("tool_call_id") in ids),
+                None)
+
+
+def working_directory(output: str) -> str | None:
+    """The directory `pwd` printed, from its tool's answer ("Output: /app" and other lines around it)."""
+    for line in output.splitlines():
+        word = line.removeprefix("Output:").strip()
+        if word.startswith("/") and " " not in word:
+            return word
+    return None
+
+
 def plausible_mistake(command: str) -> str:
     """The same command with a slip: its output redirection forgotten (`echo cookie data.txt` prints instead
     of writing the file), or, without one, its first argument capitalised. Well formed, close to right, and
@@ -83,11 +121,18 @@ def solution_steps(task: Task, solve: Path | None = None) -> list[str]:
     return ["\n".join(lines).strip("\n")]
 
 
+def _call(tool: str, arguments: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {"name": tool, "arguments": arguments}}]}
+
+
 class OracleUpstream:
     """Runs in a thread of the calling process (uvicorn); `url` is its base URL."""
 
-    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0):
+    def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0,
+                 read_before_edit: bool = False):
         self.engine = engine_url.rstrip("/")
+        self.read_before_edit = read_before_edit
         self.model = model
         self.mistake_rate = mistake_rate
         self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
@@ -139,15 +184,35 @@ class OracleUpstream:
         todo = [s for s in steps if s not in ran and plausible_mistake(s) not in ran]
         if SUBMIT in ran:  # an agent that goes on after the submit command (opencode) is told it is done
             return {"role": "assistant", "content": "Done."}
+        read = todo and self.read_before_edit and "read_file" in names and self._read_first(messages, shell, todo[0])
+        if read:
+            return read
         if not todo:
             step = SUBMIT
         elif todo[0] == steps[-1]:  # the step that makes the result: where the slip happens
             step = plausible_mistake(todo[0]) if self._slips(todo[0]) else todo[0]
         else:
             step = todo[0]
-        return {"role": "assistant", "content": None, "tool_calls": [{
-            "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": shell, "arguments": shell_arguments(shell, step)}}]}
+        return _call(shell, shell_arguments(shell, step))
+
+    def _read_first(self, messages: list[dict], shell: str, step: str) -> dict | None:
+        """The call that comes before `step` when it edits a file not read yet: `pwd` (read_file wants an absolute
+        path), then read_file; None when the file was read (or the step edits none)."""
+        target = edited_file(step)
+        if target is None:
+            return None
+        if not target.startswith("/"):
+            done = shell_output_of(messages, "pwd")
+            if done is None:
+                return _call(shell, shell_arguments(shell, "pwd"))
+            cwd = working_directory(done)
+            if cwd is None:
+                return None  # no directory came back: the edit goes ahead and the agent says why it refuses
+            target = f"{cwd.rstrip('/')}/{target}"
+        read = [json.loads(c["function"]["arguments"]).get("file_path") for m in messages
+                if m.get("role") == "assistant" for c in m.get("tool_calls") or []
+                if c.get("function", {}).get("name") == "read_file"]
+        return None if target in read else _call("read_file", json.dumps({"file_path": target}))
 
     # ---- in the engine's own tokens -------------------------------------------------------------------------
 

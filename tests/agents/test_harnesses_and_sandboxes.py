@@ -502,7 +502,7 @@ def test_what_a_trial_links_out_of_itself_is_never_read_or_cleared_on_the_host(t
 
 
 def test_qwen_code_settings_and_what_it_did(tmp_path):
-    """qwen-code's settings (statistics and updates off, retries and turns bounded; 'compact': its shell tool alone,
+    """qwen-code's settings (statistics and updates off, retries and turns bounded; 'compact': its shell and read tools,
     no skills, auto-memory or start-up context) and what it did, read from a real run's stream-json events
     (qwen-code 0.24.4 against a scripted server: a command that worked, one that exited 2, one with command
     substitution, which qwen-code runs, an unknown tool)."""
@@ -515,7 +515,7 @@ def test_qwen_code_settings_and_what_it_did(tmp_path):
     command, env = make_harness("qwen-code", config="compact").prepare(run)
     settings = json.loads(env["HARNESS_QWEN_SETTINGS"])
     assert settings["model"]["maxSessionTurns"] == 5 and settings["model"]["skipStartupContext"] is True
-    assert settings["tools"]["core"] == ["run_shell_command"] and "skill" in settings["tools"]["disabled"]
+    assert settings["tools"]["core"] == ["run_shell_command", "read_file"] and "skill" in settings["tools"]["disabled"]
     assert env["OPENAI_BASE_URL"] == run.base_url and env["OPENAI_API_KEY"] == "k" and "QWEN_SYSTEM_MD" in env
     assert "--yolo --auth-type openai" in command
     full = json.loads(make_harness("qwen-code").prepare(run)[1]["HARNESS_QWEN_SETTINGS"])
