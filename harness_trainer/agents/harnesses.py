@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
+from harness_trainer.agents.aider import Aider
 from harness_trainer.agents.base import AgentReport, AgentRun, Harness, read_events, read_file
 from harness_trainer.agents.claude_code import ClaudeCode
 from harness_trainer.agents.cline import Cline
@@ -219,11 +220,14 @@ HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
     "cline": lambda command, config: Cline(),
     "gemini-cli": lambda command, config: GeminiCli(config),
     "qwen-code": lambda command, config: QwenCode(config),
+    "aider": lambda command, config: Aider(),
     "command": _command,
 }
 CONFIGURED = ("mini-swe-agent", "opencode", "claude-code", "gemini-cli", "qwen-code")
 # the ones whose own tools refuse to edit a file not read this session (the oracle reads it first, oracle.py)
 READ_BEFORE_EDIT = ("qwen-code",)
+# the ones with no tools, whose model edits files in the agent's own format (the oracle writes those edits)
+FILE_EDITS = ("aider",)
 
 
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:

@@ -5,7 +5,8 @@ harness's submit command.
 
 An agent whose own tools refuse to edit a file this session has not read (qwen-code's shell turns a plain `sed -i`
 into its edit tool, which does) is answered as a careful solver in it works: `pwd`, then its `read_file` on the file's
-absolute path, then the edit (`read_before_edit`).
+absolute path, then the edit (`read_before_edit`). An agent with no tools whose model writes files in the agent's
+own format (aider) gets the solution as those file edits (`file_edits`, oracle_edits.py).
 
 It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
 traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from harness_trainer.rollouts import oracle_edits as edits
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import SOLUTION_EXIT, SOLUTION_LOG
 from harness_trainer.serving.process import free_port
@@ -130,9 +132,9 @@ class OracleUpstream:
     """Runs in a thread of the calling process (uvicorn); `url` is its base URL."""
 
     def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0,
-                 read_before_edit: bool = False):
+                 read_before_edit: bool = False, file_edits: bool = False):
         self.engine = engine_url.rstrip("/")
-        self.read_before_edit = read_before_edit
+        self.read_before_edit, self.file_edits = read_before_edit, file_edits
         self.model = model
         self.mistake_rate = mistake_rate
         self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
@@ -141,6 +143,9 @@ class OracleUpstream:
         for t in tasks:  # a multi-step task: each step's instruction gets that step's solution (at /solution)
             self.solutions |= {step.instruction: solution_steps(t, solve) for step in t.steps
                                if (solve := step.solution(t.path))}
+        if file_edits:  # before any rollout: a solution that is not only file edits cannot be played
+            edits.check(self.solutions, {t.instruction: t.name for t in tasks} |
+                        {step.instruction: t.name for t in tasks for step in t.steps})
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(timeout=600)  # one scoring call of a 30k-token context takes ~30 s on 2 CPU cores
@@ -150,13 +155,15 @@ class OracleUpstream:
 
     # ---- what to say --------------------------------------------------------------------------------------
 
-    def _task_steps(self, messages: list[dict]) -> list[str] | None:
+    def _task(self, messages: list[dict]) -> str | None:
+        """The instruction of the task this conversation is about."""
         text = "\n".join(m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
                          for m in messages if m.get("role") in ("user", "system"))
-        for instruction, steps in self.solutions.items():
-            if instruction in text:
-                return steps
-        return None
+        return next((instruction for instruction in self.solutions if instruction in text), None)
+
+    def _task_steps(self, messages: list[dict]) -> list[str] | None:
+        instruction = self._task(messages)
+        return self.solutions[instruction] if instruction else None
 
     def _slips(self, command: str) -> bool:
         """Whether this attempt at the task is made with the slip. Per task, not at random: attempt k slips when
@@ -174,6 +181,11 @@ class OracleUpstream:
         messages, tools = body.get("messages") or [], body.get("tools") or []
         names = {(t.get("function") or {}).get("name") for t in tools}
         shell = next((name for name in SHELL_TOOLS if name in names), None)
+        if self.file_edits and not tools:
+            instruction = self._task(messages)
+            return {"role": "assistant", "content": edits.edit_answer(messages, instruction,
+                                                                      self.solutions[instruction])
+                    if instruction else "I do not know this task."}
         if shell is None:
             return {"role": "assistant", "content": "Solve the task"}  # a title or summary call
         steps = self._task_steps(messages)

@@ -13,6 +13,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from agent_logs import replay
 from stubs import StubHandler
 
 from harness_trainer._exceptions import CaptureContractError, HarnessError, RewardError, SandboxError, TaskError
@@ -318,19 +319,6 @@ def test_opencode_config_is_merged_under_the_session_and_bad_ones_are_named(tmp_
         make_harness("opencode", config=str(own))
     with pytest.raises(HarnessError, match="read by the mini-swe-agent, opencode, claude-code, gemini-cli and qwen"):
         make_harness("codex", config="compact")
-
-
-def replay(harness: str, recorded: str, tmp_path):
-    """What `harness` reads of a real run of its agent, from that run's logs (tests/agents/RECORDED/) put where the
-    agent left them in a trial."""
-    from harness_trainer.agents.sandbox import ExecResult
-
-    box = LocalSandbox(tmp_path / "trial")
-    box.start()
-    box.host_path("/logs/agent").mkdir(parents=True, exist_ok=True)
-    for log in Path(__file__).with_name(recorded).iterdir():
-        (box.host_path("/logs/agent") / log.name).write_text(log.read_text())
-    return make_harness(harness).collect(box, ExecResult(0, "", "", timed_out=False, seconds=1.0))
 
 
 def test_gemini_cli_settings_and_what_it_did(tmp_path):

@@ -121,3 +121,42 @@ def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tok
         prompt = tokenizer.decode(traces[0].turns[0].prompt_token_ids)  # the template lists each as NAME(ARGS): ...
         offered = {name for name in ("bash", "edit", "write", "webfetch", "read") if f"\n{name}(" in prompt}
         assert offered == ({"bash"} if mode == "compact" else {"bash", "edit", "write", "webfetch", "read"}), offered
+
+
+def _aider_tasks(folder, image: str | None):
+    """One toy and one bugfix task, in an image built from `image` when given (aider finds a task's files through
+    git): the task's files copied into it, as a Harbor task's Dockerfile does."""
+    import shutil
+
+    from harness_trainer.rollouts.builtin import builtin_dataset
+
+    for name, source in (("toy", next(builtin_dataset("toy-train").iterdir())),
+                         ("bugfix", builtin_dataset("bugfix") / "bugfix-greet")):
+        shutil.copytree(source, folder / name)
+        if image:
+            (folder / name / "environment" / "Dockerfile").write_text(f"FROM {image}\nWORKDIR /app\nCOPY app/ /app/\n")
+    return folder
+
+
+@pytest.mark.parametrize("sandbox", ["local", pytest.param("docker", marks=pytest.mark.slow)])
+def test_aider_with_the_oracle_solves_toy_and_bugfix_tasks_by_writing_files(engine, tmp_path, sandbox):
+    """aider has no tools: the oracle's solution is the files it writes, in aider's whole-file format. The bugfix
+    task takes two calls (the file named, which aider adds; then written whole), each its own chain: aider rebuilds
+    its prompt at every call (the added file moves into a message of its own, its format reminder to the last).
+    In containers: an image with git wins both; one without (python:3.11-slim) is refused, saying why."""
+    from harness_trainer.training.packing import chains_from_trace
+
+    dataset = _aider_tasks(tmp_path / "tasks", "harness-test/git:12" if sandbox == "docker" else None)
+    summary, records = evaluate(EvalConfig(harness="aider", dataset=str(dataset), vllm_url=engine.url, policy="oracle",
+                                           sandbox=sandbox, max_concurrent_rollouts=2, output_dir=str(tmp_path / "e")))
+    assert summary.wins == summary.rollouts == 2, [(r.task, r.status, r.reason) for r in records]
+    assert all(r.outcome.tool_calls_by_name == {"edit": 1} and r.outcome.tool_failure_count == 0 for r in records)
+    turns = {t.turns[0].metadata["episode_id"].split("-")[0]: t.turns for t in read_traces(tmp_path / "e/traces.jsonl")}
+    assert {name: len(t) for name, t in turns.items()} == {"toy": 1, "bugfix": 2}
+    trace = next(t for t in read_traces(tmp_path / "e/traces.jsonl") if len(t.turns) == 2)
+    assert len(chains_from_trace(trace, 0)) == 2 and all(t.metadata["dialect"] == "chat" for t in trace.turns)
+    if sandbox == "docker":
+        plain = _aider_tasks(tmp_path / "plain", None)
+        summary, records = evaluate(EvalConfig(harness="aider", dataset=str(plain), limit=1, vllm_url=engine.url,
+                                               policy="oracle", sandbox="docker", output_dir=str(tmp_path / "p")))
+        assert summary.unscorable == 1 and "aider needs git in the image" in records[0].reason, records[0].reason

@@ -140,9 +140,9 @@ def _occupied_port():
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--harness", "aider"],
-     "unknown harness 'aider': choose mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code "
-     "or command"),
+    (["--harness", "crush"],
+     "unknown harness 'crush': choose mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code, "
+     "aider or command"),
     (["--dataset", "builtin:nope"], "no builtin dataset 'nope'"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--vllm-url", "http://127.0.0.1:9"], "no healthy vLLM server at http://127.0.0.1:9"),
@@ -366,8 +366,9 @@ def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("harness", [["opencode"], ["claude-code", "--agent-config", "bare"], ["codex"],
                                      ["gemini-cli", "--agent-config", "compact"],
-                                     ["qwen-code", "--agent-config", "compact"], ["cline"]], ids=lambda h: h[0])
-def test_npm_agents_train_two_steps_on_the_toy_set(tmp_path, harness):
+                                     ["qwen-code", "--agent-config", "compact"], ["cline"], ["aider"]],
+                         ids=lambda h: h[0])
+def test_installed_agents_train_two_steps_on_the_toy_set(tmp_path, harness):
     out = tmp_path / "run"
     result = subprocess.run(HARNESS_TRAIN + ["--harness", *harness] + [
         "--dataset", "builtin:toy-train", "--max-steps", "2", "--num-generations", "2",

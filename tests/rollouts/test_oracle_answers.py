@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+
+from harness_trainer._exceptions import TaskError
 from harness_trainer.rollouts.oracle import SUBMIT, OracleUpstream
 from harness_trainer.rollouts.tasks import load_dataset
 
@@ -40,3 +43,32 @@ def test_an_agent_that_refuses_unread_edits_gets_pwd_then_its_read_then_the_edit
     (write,) = OracleUpstream("http://127.0.0.1:9", [toy]).solutions[toy.instruction]
     assert _play(OracleUpstream("http://127.0.0.1:9", [toy], read_before_edit=True), toy.instruction, "/app") == [
         ("run_shell_command", {"command": write}), ("run_shell_command", {"command": SUBMIT})]
+
+
+def test_an_agent_without_tools_gets_the_solution_as_file_edits_in_its_format():
+    """aider's whole-file and SEARCH/REPLACE formats: the file asked for by name until the agent shows it, the
+    edits, then "Done."; its own example answers (before the instruction) are not the oracle's."""
+    tasks = load_dataset("builtin:bugfix")
+    task = next(t for t in tasks if t.name == "bugfix-last-item")  # sed with escaped brackets: literal text
+    oracle = OracleUpstream("http://127.0.0.1:9", tasks, file_edits=True)
+    example = {"role": "assistant", "content": "hello.py\n```\nprint('hi')\n```\n"}
+    for rules, edit in (("a *file listing* format", "items.py\n```\ndef last(items):\n    return items[-1]\n```\n"),
+                        ("*SEARCH/REPLACE block* Rules", "items.py\n```\n<<<<<<< SEARCH\n    return items[len(items)]\n"
+                                                         "=======\n    return items[-1]\n>>>>>>> REPLACE\n```\n")):
+        messages = [{"role": "system", "content": rules}, example, {"role": "user", "content": task.instruction}]
+        assert oracle.answer({"messages": messages})["content"] == "I need to edit items.py."
+        messages += [{"role": "assistant", "content": "I need to edit items.py."}, {"role": "user", "content": (
+            "I added these files to the chat: items.py\n\nitems.py\n```\ndef last(items):\n"
+            "    return items[len(items)]\n```\n")}]
+        assert oracle.answer({"messages": messages})["content"] == edit
+        assert oracle.answer({"messages": [*messages, {"role": "assistant", "content": edit}]})["content"] == "Done."
+    toy = load_dataset("builtin:toy-train")[0]
+    answer = OracleUpstream("http://127.0.0.1:9", [toy], file_edits=True).answer(
+        {"messages": [{"role": "user", "content": toy.instruction}]})["content"]
+    word, file = toy.metadata["word"], toy.metadata["file"]
+    assert answer == f"{file}\n```\n{word}\n```\n"  # a new file: its whole text
+
+
+def test_a_solution_that_is_not_only_file_edits_is_refused_for_an_agent_without_tools():
+    with pytest.raises(TaskError, match="not so: logs-errors. Run those tasks through an agent with a shell tool"):
+        OracleUpstream("http://127.0.0.1:9", load_dataset("builtin:logs"), file_edits=True)
