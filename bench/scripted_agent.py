@@ -47,7 +47,13 @@ def main() -> int:
         output = subprocess.run(["sh", "-c", f"echo turn {k} >> /app/agent.log; wc -l < /app/agent.log"],
                                 capture_output=True, text=True).stdout.strip()
         messages.append({"role": "user", "content": f"[[{key}:{k}]] lines {output} " + "log " * (grow // 4)})
-        text, elapsed = call(base, key, messages, stream=k % 2 == 1)
+        try:
+            text, elapsed = call(base, key, messages, stream=k % 2 == 1)
+        except Exception as exc:  # kept in the trial's logs, which the bench keeps for a failed rollout
+            os.makedirs("/logs/agent", exist_ok=True)
+            with open("/logs/agent/error.txt", "w") as f:
+                f.write(f"call {k}: {type(exc).__name__}: {exc}\n")
+            raise
         latencies.append(round(elapsed, 4))
         if text != f"ok {key}:{k}":
             print(json.dumps({"error": f"call {k} got {text[:80]!r}"}))

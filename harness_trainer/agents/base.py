@@ -79,12 +79,14 @@ def read_file(sandbox: Sandbox, inside: str) -> str | None:
             return None
 
 
-def exit_reason(code: int) -> str:
-    """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent."""
+def exit_reason(code: int, said: str = "") -> str:
+    """A crashed agent (or sandbox) in words: negative codes are signals to the sandbox, 128+N to the agent; with
+    its own last words where its harness kept more than the code (`said`: the report's exit status)."""
     number = -code if code < 0 else code - 128 if 128 < code < 160 else None
     try:
         killed = f" (killed by {signal.Signals(number).name}{' with its sandbox' if code < 0 else ''})" \
             if number else ""
     except ValueError:
         killed = ""
-    return f"the agent exited with code {code}{killed}; its workspace was verified as it stood"
+    words = f" (the agent: {said})" if said not in ("", f"exit {code}") else ""
+    return f"the agent exited with code {code}{killed}; its workspace was verified as it stood{words}"

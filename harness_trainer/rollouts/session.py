@@ -369,7 +369,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
         elif not reason and stops:  # the agent was stopped cleanly: say why
             reason = "stopped by the capture proxy: " + "; ".join(stops)
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
-            reason = exit_reason(exit_code)
+            reason = exit_reason(exit_code, session.report.exit_status)
         reason = reason or session.end_reason  # a white-box episode cut by its limits
         truncated = _truncation(session, stops, wire)
         verified = session.verify(session.report.completion)

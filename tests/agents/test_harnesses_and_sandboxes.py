@@ -198,6 +198,10 @@ def test_rollout_ok_timeout_and_clean_stop_keep_turns_and_score(proxy, tmp_path)
                                        agent_timeout_s=3), toy())
     assert slow.status == "timeout" and slow.outcome.timed_out
     assert slow.outcome.env_reward == 1.0 and len(slow.outcome.trace) == 1  # turns and score both kept
+    crashed = run_rollout(command_factory(proxy, tmp_path, f"{solve}; echo 'ConnectionResetError: reset' >&2; exit 1"),
+                          toy())  # scored as it stands, with the agent's own last words (a bench's lost call)
+    assert crashed.status == "ok" and crashed.outcome.env_reward == 1.0 and crashed.reason.endswith(
+        "verified as it stood (the agent: exit 1: ConnectionResetError: reset)"), crashed.reason
     import shlex
 
     overflow = f"python3 -c \"print('word ' * 40000)\" > /tmp/big; python3 -c {shlex.quote(CLIENT_SCRIPT)} @/tmp/big"
