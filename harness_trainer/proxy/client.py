@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import ssl
 import sys
 import tempfile
@@ -118,7 +119,7 @@ class ProxyServer:
         self.host = host
         self.admin_key = admin_key or secrets.token_urlsafe(24)
         self.url = f"http://{host}:{self.port}"
-        tmp = Path(tempfile.mkdtemp(prefix="harness-proxy-"))
+        tmp = self._tmp = Path(tempfile.mkdtemp(prefix="harness-proxy-"))
         self.confdir = Path(confdir) if confdir else tmp / "conf"
         upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
         command = [proxy_python(), "-m", "harness_trainer.proxy.server",
@@ -144,7 +145,11 @@ class ProxyServer:
         return self
 
     def stop(self) -> None:
+        """Stop it and remove its own folder: the CA's private key goes; a log kept there stays for post-mortems."""
         self.managed.stop()
+        shutil.rmtree(self._tmp / "conf", ignore_errors=True)
+        if not (self._tmp / "proxy.log").exists():
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL without warning (for crash tests)."""

@@ -108,12 +108,15 @@ def server_command(cfg: EngineConfig, gpu: bool, served_from: Path | None = None
     return cmd + list(cfg.extra_args)
 
 
-def server_env(cfg: EngineConfig, cache_dir: Path) -> dict[str, str]:
+def server_env(cfg: EngineConfig, tmp: Path) -> dict[str, str]:
+    """vLLM's environment; its compile cache and its ZMQ sockets go under tmp, which stop() clears (vLLM would
+    leave one socket file per process in the system's temp folder at every kill)."""
     env = dict(os.environ)
     env.update({
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /reset_prefix_cache, /pause, weight-version routes
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(cache_dir),
+        "VLLM_CACHE_ROOT": str(tmp / "cache"),
+        "VLLM_RPC_BASE_PATH": str(tmp / "rpc"),
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
     })
@@ -173,11 +176,12 @@ class VLLMServer:
         if cfg.port == 0:
             cfg.port = free_port()
         self._tmp = tempfile.mkdtemp(prefix="harness-vllm-")
+        (Path(self._tmp) / "rpc").mkdir()
         if cfg.log_path is None:
             cfg.log_path = Path(self._tmp) / "vllm.log"
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.managed = ManagedProcess(
-            "vLLM", server_command(cfg, gpu, self.served_from), env=server_env(cfg, Path(self._tmp) / "cache"),
+            "vLLM", server_command(cfg, gpu, self.served_from), env=server_env(cfg, Path(self._tmp)),
             log_path=Path(cfg.log_path), health_url=f"{self.url}/health", error=EngineError,
             start_hint="On 2 CPU cores a cold start takes about a minute; raise the start-up timeout if the log "
                        "shows progress.")
@@ -190,8 +194,9 @@ class VLLMServer:
     def stop(self) -> None:
         if self.managed:
             self.managed.stop()
-        if self._tmp:  # the compile cache; the log stays for post-mortems
-            shutil.rmtree(Path(self._tmp) / "cache", ignore_errors=True)
+        if self._tmp:  # the compile cache and sockets; the log stays for post-mortems
+            for part in ("cache", "rpc"):
+                shutil.rmtree(Path(self._tmp) / part, ignore_errors=True)
 
     def __enter__(self) -> VLLMServer:
         return self if self.process or not self.cfg else self.start()

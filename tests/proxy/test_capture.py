@@ -14,6 +14,7 @@ from stubs import Link
 from harness_trainer._exceptions import CaptureNotTrainable
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
 from harness_trainer.rollouts.trace_reader import collect_trace
+from harness_trainer.serving.process import free_port
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
                                           "parameters": {"type": "object",
@@ -214,6 +215,17 @@ def test_journal_recovers_every_finished_turn_after_kill_9(engine, tmp_path):
     with ProxyServer(engine.url, journal=tmp_path / "journal") as third:  # no session left: the version is kept
         assert third.client.policy_state()["policy_version"] == 4
         assert third.client.create_session()["policy_version"] == 4
+
+
+def test_a_stopped_proxy_leaves_no_ca_key_behind(tmp_path):
+    """mitmproxy's CA (private key included; made for the forward port) lives in the proxy's own temp folder:
+    gone once it stops; its log stays only where the caller gave no log path. The upstream is never called."""
+    with ProxyServer("http://127.0.0.1:9", forward_port=free_port(), log_path=tmp_path / "proxy.log") as given:
+        assert (given.confdir / "mitmproxy-ca.pem").exists()
+    assert not given._tmp.exists() and (tmp_path / "proxy.log").exists()
+    with ProxyServer("http://127.0.0.1:9") as own:
+        pass
+    assert (own._tmp / "proxy.log").exists() and not own.confdir.exists()
 
 
 def _visible(answer: dict) -> dict:

@@ -90,6 +90,7 @@ def test_the_cpu_placement_and_the_engine_command_for_each_layout(tiny_model_dir
         assert "--enforce-eager" not in joined
     env = server_env(EngineConfig(model=str(tiny_model_dir), gpu=True, devices="4,5", weight_transfer="ipc"), tmp_path)
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"  # pickled handles
+    assert env["VLLM_RPC_BASE_PATH"] == str(tmp_path / "rpc")  # its sockets are cleared with it, not left in /tmp
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in server_env(EngineConfig(model=str(tiny_model_dir), gpu=True),
                                                                  tmp_path)
 
