@@ -3,6 +3,7 @@ engine answering 500, a stream cut mid-body, an engine started without LoRA, a s
 timing would decide; each says so where it is used.
 
   StubHandler   a stub HTTP server's handler
+  FlakyUpstream an engine that answers 503 when told to, else forwards to the real one
   Link          a TCP hop in front of a real server, which the test can cut, stall, or pause mid-stream
   wait_until    wait on a condition the test controls (never on the machine's speed: bounds are generous)
   ScriptedSessions, StubPolicy, StubSync   the trainer's collaborators (a session factory, the policy, the
@@ -18,6 +19,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler
 
+import httpx
+
 
 class StubHandler(BaseHTTPRequestHandler):
     def send_json(self, status: int, body: bytes) -> None:
@@ -29,6 +32,31 @@ class StubHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class FlakyUpstream(StubHandler):
+    """A stub upstream for fault injection (a real vLLM cannot be made to fail on demand): answers 503
+    `failures` times, then forwards to the real engine; a last message "bad" gets a 422, "down" a 503 always."""
+    failures = 0
+    seen = 0
+    engine_url = ""
+
+    def do_GET(self):
+        self.send_json(200, httpx.get(self.engine_url + self.path, timeout=30).content)
+
+    def do_POST(self):
+        payload = self.rfile.read(int(self.headers["content-length"]))
+        type(self).seen += 1
+        last = json.loads(payload).get("messages", [{}])[-1].get("content")
+        if type(self).seen <= type(self).failures or last == "down":
+            status, body = 503, b'{"error": {"message": "overloaded"}}'
+        elif last == "bad":
+            status, body = 422, b'{"error": {"message": "upstream says no"}}'
+        else:
+            answer = httpx.post(self.engine_url + self.path, content=payload, timeout=60,
+                                headers={"content-type": "application/json"})
+            status, body = answer.status_code, answer.content
+        self.send_json(status, body)
 
 
 def _first_event_end(data: bytes) -> int | None:

@@ -182,8 +182,10 @@ class Capture:
             await self.check_engine(call.session.upstream, call.session)
 
     async def ended(self, call: CallInFlight, status: int = 200) -> None:
-        """The agent has its whole answer."""
+        """The agent has its whole answer: an engine's error (5xx, a broken stream) or a real one."""
         self.release(call)
+        call.session.engine_failure = ("the stream broke off" if call.failed else
+                                       f"the engine answered HTTP {status}" if status >= 500 else None)
         if self.several and (call.failed or status in (502, 503, 504)):
             await self.check_engine(call.session.upstream, call.session)  # died under the call?
 

@@ -25,6 +25,8 @@ import httpx
 from harness_trainer._exceptions import NoEngine
 
 ENGINE_LOST = "engine lost"  # the prefix of a session stop that makes its rollout unscorable (rollouts/session.py)
+ENGINE_FAILED = "its last model call failed at the engine"  # ends a rollout unscorable too: the agent stopped on
+# an answer the engine never gave (a refused connection, a 5xx after the retries, a stream broken off)
 
 
 @dataclass

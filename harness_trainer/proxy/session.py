@@ -93,6 +93,7 @@ class Session:
     calls: list[Call] = field(default_factory=list)
     started_calls: int = 0  # calls admitted (in flight or finished), for the budget
     stops: list[str] = field(default_factory=list)  # clean stops the proxy answered (budget, context), why
+    engine_failure: str | None = None  # why its latest call got no answer from the engine; None once one did
     shared: dict = field(default_factory=dict, repr=False)  # texts and tool lists its calls hold once (share)
     last_messages: list = field(default_factory=list, repr=False)  # the last call's, as share() kept them
     graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
@@ -114,7 +115,7 @@ class Session:
                 "sampling_model": self.sampling_model or self.model, "metadata": self.metadata,
                 "created": self.created, "calls": len(self.calls),
                 "first_version": self.calls[0].policy_version if self.calls else None,  # its oldest turn's
-                "stops": list(self.stops)}
+                "stops": list(self.stops), "engine_failure": self.engine_failure}
 
     def graph(self) -> tuple[dict[int, int | None], dict[int, str]]:
         """parents() and roles() of the calls so far, computed once per number of calls: a rollout's end asks for

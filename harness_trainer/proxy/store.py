@@ -32,7 +32,8 @@ from harness_trainer import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.session import SESSION_ID, Call, Session
 
-NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of")  # journaled as they happen, or derived
+# journaled as they happen, or derived; engine_failure is not kept across a restart of the proxy
+NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of", "engine_failure")
 
 
 class SessionStore:

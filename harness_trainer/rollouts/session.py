@@ -13,7 +13,7 @@ The contract the trainer uses, shaped like OpenEnv's so its `HarborSessionFactor
     cancelled      stopped by the trainer: its oldest turn became too stale. Not verified, not trained
     timeout        the agent was killed at its timeout: captured turns and the verifier's score are kept
     unscorable     sandbox / agent start / transport failure (or the agent's report of a model API error), no
-                   agent turn at all, its engine lost under it, or the verifier could not score: reward None
+                   agent turn, its engine lost or its last call failed there, or no score from the verifier: None
 A capture that breaks the trace contract is no status: run_rollout raises CaptureContractError (training stops).
 """
 
@@ -37,7 +37,7 @@ from harness_trainer.agents.sandbox import ExecResult, Sandbox
 from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.proxy.engines import ENGINE_LOST
+from harness_trainer.proxy.engines import ENGINE_FAILED, ENGINE_LOST
 from harness_trainer.rollouts.multi_step import run_steps, steps_timeout, steps_verified
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.trace_reader import collect_trace, validated_trace
@@ -78,8 +78,7 @@ class RolloutRecord:
     truncated: str = ""  # why a limit (time, model calls, context, tokens) cut it; "" when it ended on its own
     solution: str = ""  # the oracle's solve.sh, when it ran: its exit status and last output (verifier.py)
     steps: list[dict] = field(default_factory=list)  # a multi-step task's steps: name, rewards, detail (steps.py)
-    environment: object = field(default=None, repr=False, compare=False)  # a white-box rollout's instance, until
-    #                                                                         its group is scored (not saved)
+    environment: object = field(default=None, repr=False, compare=False)  # a white-box instance until scored
 
     @property
     def group_reward(self) -> float | None:
@@ -177,11 +176,13 @@ class CapturedSession:
         return self.factory.proxy.trace_json(self.capture["id"])
 
     def proxy_stops(self) -> list[str]:
-        """Clean stops the proxy answered this rollout's agent with (model-call budget, context overflow)."""
-        try:
-            return list(self.factory.proxy.session(self.capture["id"]).get("stops") or []) if self.capture else []
-        except Exception:  # a reason is only information; never fail a rollout over it
+        """Clean stops the proxy answered (call budget, context overflow), and the last call's failure at the engine."""
+        try:  # a reason is only information; never fail a rollout over it
+            summary = self.factory.proxy.session(self.capture["id"]) if self.capture else {}
+        except Exception:
             return []
+        failure = summary.get("engine_failure")
+        return list(summary.get("stops") or []) + ([f"{ENGINE_FAILED}: {failure}"] if failure else [])
 
     def first_version(self) -> int | None:
         """Its first model call's policy version (its oldest turn); None before any or if the proxy cannot say."""
@@ -291,10 +292,8 @@ class LocalSession(CapturedSession):
 
 
 class LocalSessionFactory:
-    """Builds rollouts that run an agent harness in a sandbox against a capture proxy.
-
-    Called by the trainer with its sampling policy (a SamplingPolicy, or OpenEnv's dict of it), so pass it as
-    `partial(LocalSessionFactory, proxy=..., harness=...)`."""
+    """Builds rollouts that run an agent harness in a sandbox against a capture proxy. Called by the trainer with
+    its sampling policy (a SamplingPolicy, or OpenEnv's dict of it): pass `partial(LocalSessionFactory, proxy=...)`."""
 
     def __init__(self, sampling: SamplingPolicy | dict | None = None, *, proxy: ProxyClient,
                  harness: str | Harness = "mini-swe-agent",
@@ -363,7 +362,7 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
             except ProxyError as exc:
                 reason = f"could not fetch the trace: {exc}"
         stops = session.proxy_stops()
-        lost = next((s for s in stops if s.startswith(ENGINE_LOST)), None)  # its engine died under it
+        lost = next((s for s in stops if s.startswith((ENGINE_LOST, ENGINE_FAILED))), None)  # not the policy's end
         if lost:
             reason = lost
         elif not reason and stops:  # the agent was stopped cleanly: say why

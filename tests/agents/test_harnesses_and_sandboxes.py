@@ -9,18 +9,20 @@ import json
 import os
 import subprocess
 import textwrap
+import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from agent_logs import replay
-from stubs import StubHandler
+from stubs import FlakyUpstream, StubHandler
 
 from harness_trainer._exceptions import CaptureContractError, HarnessError, RewardError, SandboxError, TaskError
 from harness_trainer.agents.harnesses import CommandHarness, make_harness
 from harness_trainer.agents.images import ContainerSpec
 from harness_trainer.agents.sandbox import E2BSandbox, LocalSandbox
-from harness_trainer.proxy.client import ProxyClient
+from harness_trainer.proxy.client import ProxyClient, ProxyServer
+from harness_trainer.proxy.engines import ENGINE_FAILED
 from harness_trainer.rollouts.rewards import resolve_reward_fn, score
 from harness_trainer.rollouts.session import HarnessRolloutOutcome, LocalSessionFactory, run_rollout
 from harness_trainer.rollouts.tasks import load_dataset, load_task
@@ -208,6 +210,27 @@ def test_rollout_ok_timeout_and_clean_stop_keep_turns_and_score(proxy, tmp_path)
     stopped = run_rollout(command_factory(proxy, tmp_path, f"{solve}; {overflow}"), toy())
     assert stopped.status == "ok" and stopped.outcome.env_reward == 1.0 and len(stopped.outcome.trace) == 1
     assert stopped.reason.startswith("stopped by the capture proxy: the prompt does not fit the engine")
+
+
+def test_an_agent_that_stopped_on_the_engines_failure_is_unscorable(engine, tmp_path):
+    """Its last call got a 503 from the engine (after the proxy's retries) and it exited: whatever the verifier
+    says is not the policy's score. A failure it recovered from is only a retry."""
+    import shlex
+
+    FlakyUpstream.engine_url, FlakyUpstream.failures, FlakyUpstream.seen = engine.url, 0, 0
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), FlakyUpstream)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    solve, client = "echo {word} > {file}".format(**toy().metadata), f"python3 -c {shlex.quote(CLIENT_SCRIPT)}"
+    try:
+        with ProxyServer(f"http://127.0.0.1:{stub.server_port}", model="tiny", log_path=tmp_path / "p.log") as flaky:
+            stopped = run_rollout(command_factory(flaky, tmp_path, f"{solve}; {client} down"), toy())
+            assert stopped.status == "unscorable" and stopped.outcome.env_reward is None, stopped.reason
+            assert stopped.reason == f"{ENGINE_FAILED}: the engine answered HTTP 503" and stopped.agent_exit == 1
+            recovered = run_rollout(command_factory(flaky, tmp_path, f"{client} down; {solve}; {client} hi"), toy())
+            assert recovered.status == "ok" and recovered.outcome.env_reward == 1.0, recovered.reason
+            assert len(recovered.outcome.trace) == 2
+    finally:
+        stub.shutdown()
 
 
 def test_rollout_failure_classes(proxy, tmp_path, monkeypatch):

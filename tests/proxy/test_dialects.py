@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from openenv.core.harness.training import TrainingTrace
-from stubs import StubHandler
+from stubs import FlakyUpstream, StubHandler
 
 from harness_trainer.proxy.client import ProxyServer
 
@@ -128,30 +128,6 @@ def test_dialect_budget_stops_are_in_the_agents_dialect(proxy):
     assert text == "Step budget exhausted; stopping."
 
 
-class FlakyUpstream(StubHandler):
-    """A stub upstream for fault injection (a real vLLM cannot be made to fail on demand): answers 503
-    `failures` times, then forwards to the real engine."""
-    failures = 0
-    seen = 0
-    engine_url = ""
-
-    def do_GET(self):
-        self.send_json(200, httpx.get(self.engine_url + self.path, timeout=30).content)
-
-    def do_POST(self):
-        payload = self.rfile.read(int(self.headers["content-length"]))
-        type(self).seen += 1
-        if type(self).seen <= type(self).failures:
-            status, body = 503, b'{"error": {"message": "overloaded"}}'
-        elif json.loads(payload).get("messages", [{}])[-1].get("content") == "bad":
-            status, body = 422, b'{"error": {"message": "upstream says no"}}'
-        else:
-            answer = httpx.post(self.engine_url + self.path, content=payload, timeout=60,
-                                headers={"content-type": "application/json"})
-            status, body = answer.status_code, answer.content
-        self.send_json(status, body)
-
-
 def test_upstream_faults_are_retried_then_passed_through(engine, tmp_path):
     FlakyUpstream.engine_url, FlakyUpstream.failures, FlakyUpstream.seen = engine.url, 2, 0
     stub = ThreadingHTTPServer(("127.0.0.1", 0), FlakyUpstream)
@@ -167,13 +143,26 @@ def test_upstream_faults_are_retried_then_passed_through(engine, tmp_path):
             bad = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
                              json={"messages": [{"role": "user", "content": "bad"}], "max_tokens": 3})
             assert bad.status_code == 422 and bad.json()["error"]["message"] == "upstream says no"
+            assert proxy.client.session(session["id"])["engine_failure"] is None  # the engine did answer
             FlakyUpstream.failures, FlakyUpstream.seen = 99, 0
             down = httpx.post(session["base_url"] + "/chat/completions", headers=headers, timeout=60,
                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
             assert down.status_code == 503 and FlakyUpstream.seen == 4  # 1 + 3 retries, then passed through
             assert proxy.client.session(session["id"])["calls"] == 1
+            assert proxy.client.session(session["id"])["engine_failure"] == "the engine answered HTTP 503"
     finally:
         stub.shutdown()
+
+
+def test_a_call_no_engine_answers_is_the_sessions_engine_failure(tmp_path):
+    """The rollout of an agent that stopped on it is unscorable (rollouts/session.py); no engine needed."""
+    with ProxyServer("http://127.0.0.1:9", model="tiny", log_path=tmp_path / "p.log") as proxy:
+        session = proxy.client.create_session()
+        down = httpx.post(session["base_url"] + "/chat/completions", timeout=60,
+                          headers={"authorization": f"Bearer {session['api_key']}"},
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert down.status_code == 502 and "could not be reached" in down.json()["error"]["message"]
+        assert "could not be reached" in proxy.client.session(session["id"])["engine_failure"]
 
 
 class CutStreamUpstream(StubHandler):
@@ -239,5 +228,6 @@ def test_a_stream_the_engine_breaks_ends_in_the_dialects_error_event(engine, tmp
                 assert expected in json.dumps(last)
             calls = proxy.client.rollout(session["id"])["calls"]
             assert len(calls) == 4 and all(c["problem"] for c in calls)  # recorded, never trained on
+            assert proxy.client.session(session["id"])["engine_failure"] == "the stream broke off"
     finally:
         stub.shutdown()
