@@ -40,9 +40,11 @@ description = "an image built from its Dockerfile"
 
 [agent]
 timeout_sec = 120
+user = "agent"
 
 [verifier]
 timeout_sec = 60
+user = "root"
 
 [environment]
 build_timeout_sec = 300

@@ -136,7 +136,9 @@ class DockerSandbox(TrialDirs):
         result = subprocess.run(argv + [self.image, "-c", REAPER], capture_output=True, text=True)
         if result.returncode != 0:
             raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
-        if self.user not in ("root", "0"):  # (the workdir: `docker run -w` makes it)
+        users = {self.user, spec.agent_user or self.user, spec.verifier_user or self.user}
+        self._known(users - {self.user})
+        if users - {"root", "0"}:  # (the workdir: `docker run -w` makes it)
             self._traversable(agent_program_paths())
         if self.proxy:
             self._forward()
@@ -145,6 +147,13 @@ class DockerSandbox(TrialDirs):
 
     def _root(self, command: str, timeout_s: float = 60) -> ExecResult:
         return run_process(["docker", "exec", "-u", "root", self.name, "sh", "-c", command], timeout_s, kill_group)
+
+    def _known(self, users: set[str]) -> None:
+        """The task's [agent] / [verifier] users exist in the image: else its every exec would fail as one of them."""
+        for user in sorted(users):
+            if self._root(f"id -u {shlex.quote(user)}").returncode != 0:
+                raise SandboxError(f"the task's user {user!r} ([agent] or [verifier] user in task.toml) does not exist "
+                                   f"in {self.image}: create it in the Dockerfile (useradd) or name a user it has")
 
     def _traversable(self, paths: list[Path]) -> None:
         """An image's non-root USER must reach the mounted runtimes: their folders in the image (/root is 0700
@@ -188,15 +197,16 @@ class DockerSandbox(TrialDirs):
         raise SandboxError(f"the task's healthcheck `{check['command']}` failed {failures} times: "
                            f"{(result.stderr or result.stdout).strip()[-300:]}")
 
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
-        argv = ["docker", "exec", "-w", self.workdir]
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None,
+             user: str | None = None) -> ExecResult:
+        argv = ["docker", "exec", "-w", self.workdir] + (["-u", user] if user else [])
         for key, value in {"HOME": "/home", **(env or {})}.items():  # the image's PATH and ENV stay its own
             argv += ["-e", f"{key}={value}"]
         # Nothing the command started outlives it. Run as root (most task images), it kills the rest itself on
         # its way out (kill -1: every process but the container's init and the caller), so the exec is one docker
         # call; a timeout or a cancel kills the CLI, not what runs inside, and an image's other USER cannot kill
         # what it started through sudo: then a root exec does it.
-        inline = self.user in ("root", "0")
+        inline = (user or self.user) in ("root", "0")
         wrapped = ["bash", "-c", 'bash -c "$0"; rc=$?; kill -9 -1 2>/dev/null; exit $rc', command] if inline \
             else ["bash", "-c", command]
         result = self.execs.run(argv + [self.name, *wrapped], timeout_s)

@@ -44,6 +44,8 @@ class ContainerSpec:
     allow_internet: bool = True  # true: the container's bridge (never the host's loopback); false: no network
     env: dict = field(default_factory=dict)  # set in the container (templates already resolved)
     healthcheck: dict | None = None  # command, interval_sec, timeout_sec, retries, start_period_sec
+    agent_user: str | None = None  # [agent] user: who runs the agent (and so the oracle's solve.sh); None: USER
+    verifier_user: str | None = None  # [verifier] user: who runs test.sh; None: the image's USER
 
     @property
     def needs_container(self) -> bool:

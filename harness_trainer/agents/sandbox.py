@@ -48,7 +48,10 @@ class Sandbox(Protocol):
     workdir: str  # where the agent's commands run (the task image's WORKDIR; /app elsewhere)
 
     def start(self) -> None: ...
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult: ...
+    # user: who runs it, a task's [agent] / [verifier] user (None: the sandbox's own). Only containers have users
+    # to switch to; the others run every phase as they always do (check_task_sandboxes warns)
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None,
+             user: str | None = None) -> ExecResult: ...
     def upload(self, src: Path, dst: str) -> None: ...
     def download(self, src: str, dst: Path) -> None: ...
     def clear(self, inside: str) -> None: ...  # empty a folder inside (the verifier's /tests, /logs/verifier)
@@ -228,7 +231,8 @@ class LocalSandbox(TrialDirs):
             argv += ["--setenv", key, value]
         return argv + ["bash", "-c", f"{forward}{self.limits}; {command}"]
 
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None,
+             user: str | None = None) -> ExecResult:
         # At the timeout, killing the jail's process group takes its PID namespace and every process inside.
         return self.execs.run(self._argv(command, {**BASE_ENV, **(env or {})}), timeout_s)
 
@@ -266,7 +270,8 @@ class E2BSandbox:
         self.box = E2B.create(template=self.template, timeout=self.timeout_s)
         self.box.commands.run("mkdir -p /app /logs/verifier /tests", user="root")
 
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None,
+             user: str | None = None) -> ExecResult:
         from e2b.sandbox.commands.command_handle import CommandExitException
 
         started = time.perf_counter()
@@ -348,7 +353,8 @@ class HarborSandbox:
                    trial_dir=str(self.trial))
         self.exec("mkdir -p /app /logs/verifier /tests /home", 60)
 
-    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+    def exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None,
+             user: str | None = None) -> ExecResult:
         started = time.perf_counter()
         try:
             a = self._call(op="exec", command=command, timeout_s=timeout_s, env={**BASE_ENV, **(env or {})})

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from harness_trainer._exceptions import SandboxError
 from harness_trainer.agents.containers import DockerSandbox
-from harness_trainer.agents.images import ContainerSpec, image_for, prepare_images
+from harness_trainer.agents.images import ContainerSpec, image_for, prepare_images, warn_once
 from harness_trainer.agents.sandbox import E2BSandbox, HarborSandbox, LocalSandbox, Sandbox
 
 
@@ -133,6 +133,15 @@ def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerS
 DOWNLOADS = re.compile(r"\b(apt-get|apt|curl|wget|pip3? install|uvx?|npm (install|i)|npx)\b")
 
 
+def _warn_users(sandbox: str, tasks: list) -> None:
+    """[agent] / [verifier] user is applied by containers only (`docker exec -u`): said once, where it is not."""
+    named = [task.name for task in tasks if (task.environment.agent_user or task.environment.verifier_user)
+             and kind_for(sandbox, task.environment) != "docker"]
+    if named:
+        warn_once(f"{len(named)} task(s) name an [agent] or [verifier] user ({', '.join(named[:5])}), which only a "
+                  f"container applies: under --sandbox {sandbox} every phase runs as the sandbox's own user")
+
+
 def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> list:
     """A run's check before it starts anything (`cfg`: a RolloutConfig; `tasks`: rollouts' Task objects): the
     sandbox exists and can be made (credentials, daemon, URL), no task is refused, every image is built. A
@@ -141,6 +150,7 @@ def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> list:
     task's Dockerfile is built even where it names a docker_image (set aside); with --skip-invalid-tasks a task
     whose image could not be had is left out (named, with its build log)."""
     check_kind(cfg.sandbox)
+    _warn_users(cfg.sandbox, tasks)
     if cfg.force_build:
         tasks = [dataclasses.replace(task, environment=dataclasses.replace(task.environment, image=None))
                  if task.environment.context is not None else task for task in tasks]

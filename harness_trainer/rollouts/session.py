@@ -249,7 +249,7 @@ class LocalSession(CapturedSession):
         self._thread.start()
 
     def run_agent(self, command: str, env: dict, timeout_s: float) -> None:
-        self.result = self.sandbox.exec(command, timeout_s, env)
+        self.result = self.sandbox.exec(command, timeout_s, env, user=self.task.environment.agent_user)
         if self.result.returncode in (126, 127) and not self.result.timed_out:
             self.error = f"the agent did not start (exit {self.result.returncode}): {self.result.stderr[-300:]}"
         try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness_trainer._exceptions import TaskError
@@ -85,8 +85,6 @@ KNOWN = {
 }
 IGNORED = {  # read by Harbor, not by us: what happens instead
     ("", "artifacts"): "artifacts are not collected (the trial folder keeps /app and /logs)",
-    ("agent", "user"): "the agent runs as the image's USER",
-    ("verifier", "user"): "the verifier runs as the image's USER",
     ("environment", "skills_dir"): "skills are not copied into the agent's config",
 }
 
@@ -163,6 +161,17 @@ def _phase_networks(config: dict, environment: ContainerSpec, toml_path: Path, p
                             "yet; give the phase the environment's setting")
 
 
+def _user(table: dict, where: str, problems: list[str]) -> str | None:
+    """[agent] / [verifier] user: a name or a UID, as Harbor takes it (applied in containers: agents/containers.py)."""
+    user = table.get("user")
+    if user is None:
+        return None
+    if isinstance(user, bool) or not isinstance(user, (str, int)) or not str(user).strip():
+        problems.append(f"{where}: user must be a user name or a UID, not {user!r}")
+        return None
+    return str(user).strip()
+
+
 def _warn_unknown(config: dict, toml_path: Path) -> None:
     for table, keys in KNOWN.items():
         section = config if not table else config.get(table)
@@ -222,7 +231,9 @@ def load_task(path: str | Path) -> Task:
         verifier_timeout_s=seconds(verifier, "timeout_sec", f"{toml_path} [verifier]", 600.0, problems),
         metadata=dict(config.get("metadata", {})), title=str(info.get("name", "")),
         description=str(info.get("description", "")),
-        environment=_environment(path, config.get("environment", {}), f"{toml_path} [environment]", problems),
+        environment=replace(_environment(path, config.get("environment", {}), f"{toml_path} [environment]", problems),
+                            agent_user=_user(agent, f"{toml_path} [agent]", problems),
+                            verifier_user=_user(verifier, f"{toml_path} [verifier]", problems)),
         verifier_env=resolve_env(verifier.get("env"), f"{toml_path} [verifier]", problems),
         solution_env=resolve_env(config.get("solution", {}).get("env"), f"{toml_path} [solution]", problems))
     _phase_networks(config, task.environment, toml_path, problems)

@@ -133,7 +133,7 @@ def verify(sandbox: Sandbox, task: Task, reward_key: str = "reward", step: Step 
     except (SandboxError, OSError) as exc:  # e.g. a container killed for its memory under the agent
         return VerifierResult(None, f"the verifier could not be set up: {exc}", solution=solution)
     result = sandbox.exec(f"chmod +x /tests/test.sh 2>/dev/null; /tests/test.sh > {TEST_STDOUT} 2>&1", timeout_s,
-                          env={**task.environment.env, **env})
+                          env={**task.environment.env, **env}, user=task.environment.verifier_user)
     with TemporaryDirectory() as tmp:
         output = (_fetch(sandbox, TEST_STDOUT, Path(tmp)) or "")[-8000:]
     if result.timed_out:

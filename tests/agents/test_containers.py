@@ -42,6 +42,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     build, image, plain = tasks["build"], tasks["image"], tasks["plain"]
     assert build.needs_container and image.needs_container and not plain.needs_container
     assert build.title == "harness-test/build" and build.verifier_timeout_s == 60
+    assert (build.environment.agent_user, build.environment.verifier_user) == ("agent", "root")
+    assert image.environment.agent_user is None  # the image's USER
     assert (build.environment.cpus, build.environment.memory_mb, build.environment.build_timeout_s) == (1, 512, 300)
     assert build.app_files() is None  # the Dockerfile's COPY makes /app; nothing is copied around it
     assert image.environment.image == BARE_IMAGE and image.environment.workdir == "/work"
@@ -70,7 +72,7 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     toml = broken_steps / "task.toml"
     toml.write_text(toml.read_text().replace("min_reward = 1.0", 'min_reward = "high"'))
     (bad / "build" / "task.toml").write_text(
-        '[agent]\nnetwork_mode = "public"\n'
+        '[agent]\nnetwork_mode = "public"\nuser = true\n'
         '[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\nallowed_hosts = ["pypi.org"]\n'
         '[environment]\nnetwork_mode = "allowlist"\n')
     with pytest.raises(TaskError) as refused:
@@ -82,6 +84,7 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     assert "allowlist" in message and "--skip-invalid-tasks" in message
     assert "[agent]: network_mode = 'public', but a trial's network is set once" in message  # not run on another
     assert "[verifier]: allowed_hosts is not supported yet" in message
+    assert "[agent]: user must be a user name or a UID, not True" in message
     assert [t.name for t in load_dataset(str(bad), skip_invalid=True)] == ["plain"]
     assert "skipping task multi-step" in capsys.readouterr().err
 
@@ -194,7 +197,7 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
     by_task = {r.task: r for r in records}
     assert summary.wins == summary.rollouts == 4, [(r.task, r.status, r.reason, r.verifier_output) for r in records]
     assert by_task["build"].verifier_rewards == {"reward": 1.0, "efficiency": 0.5}
-    assert "written by: agent verified by: agent" in by_task["build"].verifier_output  # the image's USER, not root
+    assert "written by: agent verified by: root" in by_task["build"].verifier_output  # [agent] and [verifier] user
     assert "home kept: True" in by_task["build"].verifier_output  # the image's /home and /tests under the mounts
     assert by_task["image"].verifier_rewards == {"correctness": 1.0}  # its only key is the training reward
     assert "interfaces: lo" in by_task["image"].verifier_output  # allow_internet = false: no network at all
@@ -275,6 +278,32 @@ def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tm
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left() == []
+
+
+def test_a_task_user_runs_its_phase_and_one_the_image_lacks_is_refused(docker, tmp_path, capsys):
+    """Harbor runs the agent as [agent] user and test.sh as [verifier] user (`docker exec -u`); a user the image
+    does not have would fail every exec as it: the trial is refused with the reason. Bubblewrap cannot switch
+    users: a task that names them is warned about there."""
+    spec = dataclasses.replace(load_task(image_task(tmp_path)).environment, agent_user="nobody")
+    box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, spec)
+    box.start()
+    try:
+        assert box.exec("id -un", 60, user=spec.agent_user).stdout.strip() == "nobody"
+        assert box.exec("id -un", 60).stdout.strip() == "root"  # the image's USER
+    finally:
+        box.stop()
+    ghost = DockerSandbox(tmp_path / "ghost", BARE_IMAGE, dataclasses.replace(spec, verifier_user="ghost"))
+    try:
+        with pytest.raises(SandboxError, match="the task's user 'ghost' .* does not exist in harness-test/bare:12"):
+            ghost.start()
+    finally:
+        ghost.stop()
+    SPARES.settle()
+    assert trial_containers() == []
+    from harness_trainer.agents.sandboxes import _warn_users
+
+    _warn_users("local", [dataclasses.replace(load_task(plain_task(tmp_path)), environment=spec)])
+    assert "name an [agent] or [verifier] user (plain), which only a container applies" in capsys.readouterr().err
 
 
 def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docker, tmp_path):
