@@ -15,6 +15,7 @@ mounts (/root is 0700 in Debian's images) are given the search bit in the contai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -30,10 +31,19 @@ from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, imag
 from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
 from harness_trainer.agents.spares import SPARES
 
-# The container's init: it idles, and reaps what dies under it. A process whose parent dies is handed to the init,
-# so the ones each exec kills would otherwise stay as zombies for the container's life (`sleep infinity` never
-# waits); the shell's `wait` reaps any child. A kill -9 -1 inside reaches its sleep, never itself: it sleeps again.
+# The container's command (Harbor's is `sh -c "sleep infinity"`, after the image's ENTRYPOINT, which is kept): it
+# idles, and reaps what dies under it. A process whose parent dies is handed to the init, so the ones an exec's
+# timeout kills would otherwise stay as zombies for the container's life (`sleep infinity` never waits); the
+# shell's `wait` reaps any child. (An ENTRYPOINT that does not `exec "$@"` stays the init, and reaps or not.)
 REAPER = "while :; do sleep 2147483647 & wait; done"
+ROOT = {"root", "0"}
+# Every process of the execs in progress: in the container, an exec's first process has no parent (0), and what
+# a finished exec left running has the init (1) for its root. Killed by a root exec, itself left out ($$); read
+# from /proc/PID/stat, which every user may read (a root without CAP_SYS_PTRACE cannot read others' environ).
+KILL_EXECS = ("for p in $(cat /proc/[0-9]*/stat 2>/dev/null | awk -v me=$$ '{ r = $0; sub(/.*\\) /, \"\", r); "
+              "split(r, f, \" \"); parent[$1] = f[2] } END { for (p in parent) { q = p; while ((q in parent) && "
+              "parent[q] != 0) q = parent[q]; if (q != 1 && q != me) print p } }'); do kill -9 $p 2>/dev/null; "
+              "done; true")
 
 
 @functools.cache  # one per process (a forked child has a pid, and a reaper, of its own)
@@ -57,11 +67,12 @@ def _host_cpus(cpus: float) -> float:
 
 
 class DockerSandbox(TrialDirs):
-    """One container per trial from the task's image: its WORKDIR, ENV and USER honoured, cpus and memory
-    applied, no network or the bridge's (allow_internet), the trial's /logs and /home bind-mounted, the agent
-    programs mounted read-only. The capture proxy is reached through the forwarder, in the container's own
-    network namespace (agents/forwarder.py). Each exec is `docker exec`; afterwards every process but the
-    container's init is killed, so nothing the agent started outlives its turn. `stop()` removes it."""
+    """One container per trial from the task's image: its ENTRYPOINT, WORKDIR, ENV and USER honoured, cpus and
+    memory applied, no network or the bridge's (allow_internet), the trial's /logs and /home bind-mounted, the
+    agent programs mounted read-only. The capture proxy is reached through the forwarder, in the container's own
+    network namespace (agents/forwarder.py). Each exec is `docker exec`, as the task's [agent] / [verifier]
+    user; what a finished exec left running stays (a server for the tests), a timed-out or cancelled exec's
+    processes are killed. `stop()` removes it."""
 
     MOUNTED = ("logs", "home", "tests")  # the trial's own folders: read, cleared, filled on the host
     SEEDED = ("home", "tests")  # ... which start with what the image holds there (a mount would hide it)
@@ -75,7 +86,7 @@ class DockerSandbox(TrialDirs):
         self.user = (config.get("User") or "root").split(":")[0]
         self.name = f"harness-trial-{os.getpid()}-{hashlib.sha1(str(self.trial).encode()).hexdigest()[:10]}"
         self.bridge = self.forwarder = self.kind = self.origin = None
-        self.spare, self.execs = False, Execs()
+        self.spare, self.execs, self.uids = False, Execs(), {"root": 0, "0": 0}
 
     def start(self) -> None:
         """A spare if one waits (agents/spares.py), else a container of its own; then a spare for the next."""
@@ -111,6 +122,7 @@ class DockerSandbox(TrialDirs):
             shutil.rmtree(self.trial / name)  # made empty a moment ago
             os.rename(spare.trial / name, self.trial / name)
         self.name, self.bridge, self.forwarder, self.origin = spare.name, spare.bridge, spare.forwarder, spare.trial
+        self.uids = spare.uids
 
     def _run(self) -> None:
         _reaper(os.getpid())
@@ -120,9 +132,10 @@ class DockerSandbox(TrialDirs):
             self._seed(name)
         for name in (*self.MOUNTED, "logs/agent", "logs/verifier"):
             (self.trial / name).chmod(0o777)  # the image's USER may not be root
+        (self.trial / "logs").chmod(0o1777)  # sticky: what the agent left cannot swap /logs/verifier for its own
         spec, argv = self.spec, ["docker", "run", "-d", "--name", self.name, "--label", f"{LABEL}={os.getpid()}",
                                  "--network", "bridge" if self.spec.allow_internet else "none",
-                                 "--entrypoint", "sh", "-w", self.workdir]
+                                 "-w", self.workdir]
         if spec.cpus:
             argv += ["--cpus", str(_host_cpus(spec.cpus))]
         if spec.memory_mb:
@@ -133,12 +146,14 @@ class DockerSandbox(TrialDirs):
             argv += ["-v", f"{self.trial / name}:/{name}"]
         for path in agent_program_paths():
             argv += ["-v", f"{path}:{path}:ro"]
-        result = subprocess.run(argv + [self.image, "-c", REAPER], capture_output=True, text=True)
+        result = subprocess.run(argv + [self.image, "sh", "-c", REAPER], capture_output=True, text=True)
         if result.returncode != 0:
             raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
-        users = {self.user, spec.agent_user or self.user, spec.verifier_user or self.user}
-        self._known(users - {self.user})
-        if users - {"root", "0"}:  # (the workdir: `docker run -w` makes it)
+        if image_config(self.image).get("Entrypoint"):
+            self._running()
+        users = {self.user, spec.agent_user or self.user, spec.verifier_user or self.user} - ROOT
+        self._known(users)
+        if users:  # (the workdir: `docker run -w` makes it)
             self._traversable(agent_program_paths())
         if self.proxy:
             self._forward()
@@ -148,10 +163,51 @@ class DockerSandbox(TrialDirs):
     def _root(self, command: str, timeout_s: float = 60) -> ExecResult:
         return run_process(["docker", "exec", "-u", "root", self.name, "sh", "-c", command], timeout_s, kill_group)
 
+    @property
+    def guarded(self) -> bool:
+        """A non-root agent and a verifier that is someone else: what the agent left running (kept, as Harbor
+        keeps it) must not rewrite the verifier's tests or rewards, so /tests and /logs/verifier are closed to it
+        for the verifier. A root agent can do anything in its container, there as in Harbor."""
+        agent, verifier = self.spec.agent_user or self.user, self.spec.verifier_user or self.user
+        return agent not in ROOT and agent != verifier
+
+    def _open(self, inside: str, paths) -> None:
+        """The host's `paths`, under the trial's folder mounted at `inside`, open to every user (the image's USER
+        may not be root); or, under /tests and /logs/verifier of a guarded trial, the verifier's user's alone."""
+        parts = Path(inside).parts
+        closed = self.guarded and (parts[1:2] == ("tests",) or parts[1:3] == ("logs", "verifier"))
+        owner = max(self.uids.get(self.spec.verifier_user or self.user, 0), 0)
+        for path in paths:
+            if path.is_symlink():
+                continue
+            if not closed:
+                path.chmod(0o777 if path.is_dir() else path.stat().st_mode & 0o7777 | 0o666)
+                continue
+            try:
+                os.chown(path, owner, owner)
+            except PermissionError:  # not root on the host (Docker through its group): closed all the same
+                warn_once(f"cannot give {inside} to the verifier's user (uid {owner}) as a non-root process: "
+                          "a non-root verifier could not write its rewards there")
+            path.chmod(0o755 if path.is_dir() else path.stat().st_mode & 0o7755 | 0o444)
+
+    def _running(self) -> None:
+        """An image's ENTRYPOINT runs first, with the idle command as its arguments (Harbor's order): one that
+        ends instead (it ignores them) ends the container, and every exec would fail in it."""
+        state = docker_cli("inspect", "--format", "{{.State.Running}} {{.State.ExitCode}}", self.name).stdout.split()
+        if state[:1] != ["true"]:
+            logs = docker_cli("logs", "--tail", "20", self.name)
+            raise SandboxError(f"{self.image}'s ENTRYPOINT {image_config(self.image)['Entrypoint']} ended at once "
+                               f"(exit {state[1] if len(state) > 1 else '?'}) instead of running its command "
+                               f"`sh -c ...`, as Harbor runs it too: {(logs.stdout + logs.stderr).strip()[-300:]}. "
+                               "Give the image an ENTRYPOINT that ends with exec \"$@\" (or none)")
+
     def _known(self, users: set[str]) -> None:
-        """The task's [agent] / [verifier] users exist in the image: else its every exec would fail as one of them."""
+        """The non-root users its phases run as exist in the image (else every exec as one would fail); their uids
+        kept, to give the verifier's folders to its user."""
         for user in sorted(users):
-            if self._root(f"id -u {shlex.quote(user)}").returncode != 0:
+            found = self._root(f"id -u {shlex.quote(user)}")
+            self.uids[user] = int(found.stdout.strip() or -1) if found.returncode == 0 else -1
+            if found.returncode != 0:
                 raise SandboxError(f"the task's user {user!r} ([agent] or [verifier] user in task.toml) does not exist "
                                    f"in {self.image}: create it in the Dockerfile (useradd) or name a user it has")
 
@@ -202,16 +258,16 @@ class DockerSandbox(TrialDirs):
         argv = ["docker", "exec", "-w", self.workdir] + (["-u", user] if user else [])
         for key, value in {"HOME": "/home", **(env or {})}.items():  # the image's PATH and ENV stay its own
             argv += ["-e", f"{key}={value}"]
-        # Nothing the command started outlives it. Run as root (most task images), it kills the rest itself on
-        # its way out (kill -1: every process but the container's init and the caller), so the exec is one docker
-        # call; a timeout or a cancel kills the CLI, not what runs inside, and an image's other USER cannot kill
-        # what it started through sudo: then a root exec does it.
-        inline = (user or self.user) in ("root", "0")
-        wrapped = ["bash", "-c", 'bash -c "$0"; rc=$?; kill -9 -1 2>/dev/null; exit $rc', command] if inline \
-            else ["bash", "-c", command]
-        result = self.execs.run(argv + [self.name, *wrapped], timeout_s)
-        if not inline or result.timed_out or self.execs.cancelled or result.returncode < 0:
-            self._root("kill -9 -1 2>/dev/null; true")
+        # As in Harbor, what a finished command left running (a server the tests will query) stays until the
+        # container goes. One cut short (a timeout, a cancel) is ended whole: killing the docker CLI stops nothing
+        # inside, so a root exec kills its processes (a trial's execs run one at a time).
+        result = self.execs.run(argv + [self.name, "bash", "-c", command], timeout_s)
+        if result.returncode == 1 and result.stderr.startswith("Error response from daemon") \
+                and "is not running" in result.stderr:  # it never ran: as a command that could not start (126)
+            return dataclasses.replace(result, returncode=126, stderr=f"the trial's container {self.name} is not "
+                                       f"running (its init or ENTRYPOINT ended): {result.stderr.strip()[:200]}")
+        if result.timed_out or self.execs.cancelled or result.returncode < 0:
+            self._root(KILL_EXECS)
         return result
 
     def cancel(self) -> None:
@@ -223,8 +279,7 @@ class DockerSandbox(TrialDirs):
         around it were three). An image without tar gets the three; a mounted folder (/tests) none."""
         if self._mounted(dst):
             super().upload(src, dst)
-            for path in [target := self.host_path(dst), *(target.rglob("*") if target.is_dir() else ())]:
-                path.chmod(0o777 if path.is_dir() else path.stat().st_mode & 0o7777 | 0o666)  # USER may not be root
+            self._open(dst, [target := self.host_path(dst), *(target.rglob("*") if target.is_dir() else ())])
             return
         if self._untar(Path(src), dst) == 127:
             self._root(f"mkdir -p '{dst}'" if Path(src).is_dir() else f"mkdir -p '{Path(dst).parent}'")
@@ -274,13 +329,13 @@ class DockerSandbox(TrialDirs):
         """The trial's mounted folder given what the image keeps there (a /tests of reference data, a /home)."""
         if seed := image_folder(self.image, f"/{name}"):
             shutil.copytree(seed, self.trial / name, symlinks=True, dirs_exist_ok=True)
-            for path in (self.trial / name).rglob("*"):  # the image's USER may not be root
-                if not path.is_symlink():
-                    path.chmod(0o777 if path.is_dir() else path.stat().st_mode & 0o7777 | 0o666)
+            self._open(f"/{name}", (self.trial / name).rglob("*"))
 
     def clear(self, inside: str) -> None:
         """Emptied; /tests back to what the image holds there (the verifier's tests go on top, as in Harbor, and
         whatever the agent changed in it is gone)."""
+        if self._mounted(inside):  # closed first (if it is to be): nothing the agent left can add to it meanwhile
+            self._open(inside, [self.host_path(inside)])
         self._empty(inside)
         if self._mounted(inside) and inside.strip("/") in self.SEEDED:
             self._seed(inside.strip("/"))
@@ -290,7 +345,7 @@ class DockerSandbox(TrialDirs):
             super().clear(inside)
             path = self.host_path(inside)
             if not any(path.iterdir()):  # else the container's root made what this process may not remove
-                path.chmod(0o777)  # the image's USER may not be root
+                self._open(inside, [path])
                 return
         self._root(f"rm -rf '{inside}' && mkdir -p '{inside}' && chmod 777 '{inside}'")
 

@@ -306,6 +306,67 @@ def test_a_task_user_runs_its_phase_and_one_the_image_lacks_is_refused(docker, t
     assert "name an [agent] or [verifier] user (plain), which only a container applies" in capsys.readouterr().err
 
 
+def _sleeps(box: DockerSandbox) -> int:
+    return int(box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip())
+
+
+def test_what_the_agent_left_running_serves_the_verifier_and_cannot_rewrite_its_reward(docker, tmp_path):
+    """As Harbor leaves the container: a finished exec's background processes stay (a server the tests query); a
+    timed-out exec's are killed. An agent that is not root (its [agent] user) and not the verifier: what it left
+    cannot write the verifier's tests or rewards (a reward hack a policy could learn)."""
+    from harness_trainer.rollouts.verifier import verify
+
+    task = load_task(image_task(tmp_path))
+    task = dataclasses.replace(task, environment=dataclasses.replace(task.environment, agent_user="nobody"))
+    box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, task.environment)
+    box.start()
+    try:
+        box._root("chmod 777 /work")  # as a Dockerfile gives the agent's user its workdir
+        hack = ("while :; do echo '{\"correctness\": 1}' > /logs/verifier/reward.json; echo x > /tests/test.sh; "
+                "sleep 0.01; done")
+        started = box.exec(f"nohup sleep 3600 >/dev/null 2>&1 & nohup sh -c '{hack}' >/dev/null 2>&1 & "
+                           "echo seven > word.txt; echo ok", 60, user="nobody")
+        assert started.stdout == "ok\n" and _sleeps(box) >= 2  # the init's sleep and the agent's, kept
+        result = verify(box, task)  # its test.sh wants no python and one interface: it says 1 for "seven"
+        assert (result.reward, result.rewards) == (1.0, {"correctness": 1.0})
+        box.exec("echo six > word.txt", 60, user="nobody")
+        result = verify(box, task)  # the daemon's 1 never lands: /logs/verifier and /tests are root's now
+        assert (result.reward, result.rewards) == (0.0, {"correctness": 0.0}), result.stdout
+        before = _sleeps(box)
+        assert box.exec("nohup sleep 3600 >/dev/null 2>&1 & sleep 3600", 2, user="nobody").timed_out
+        assert _sleeps(box) == before  # both of the timed-out exec's sleeps are gone, the kept ones stay
+    finally:
+        box.stop()
+    SPARES.settle()
+    assert trial_containers() == []
+
+
+def test_an_images_entrypoint_runs_first_and_one_that_ends_is_refused(docker, tmp_path):
+    """Harbor keeps the image's ENTRYPOINT and gives it `sh -c "sleep infinity"`: a service it starts runs."""
+    from harness_trainer.agents.images import ContainerSpec
+
+    specs = {}
+    for name, entry in (("starts", '#!/bin/sh\necho up > /tmp/service\nexec "$@"\n'), ("ends", "#!/bin/sh\nexit 3\n")):
+        context = tmp_path / name
+        context.mkdir()
+        (context / "entry.sh").write_text(entry)
+        (context / "Dockerfile").write_text(f"FROM {BARE_IMAGE}\nCOPY entry.sh /entry.sh\nRUN chmod 755 /entry.sh\n"
+                                            'ENTRYPOINT ["/entry.sh"]\n')
+        specs[name] = ContainerSpec(context=context)
+    images = prepare("docker", specs, tmp_path / "builds")
+    box = DockerSandbox(tmp_path / "trial", images["starts"], specs["starts"])
+    ended = DockerSandbox(tmp_path / "ended", images["ends"], specs["ends"])
+    try:
+        box.start()
+        assert box.exec("cat /tmp/service", 60).stdout == "up\n"
+        with pytest.raises(SandboxError, match=r"ENTRYPOINT \['/entry.sh'\] ended at once \(exit 3\)"):
+            ended.start()
+    finally:
+        box.stop(), ended.stop()
+    SPARES.settle()
+    assert trial_containers() == []
+
+
 def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docker, tmp_path):
     """The trainer cancels stale rollouts from another thread: killing the docker CLI alone would leave the agent
     running inside the container."""
@@ -354,8 +415,8 @@ def test_two_training_steps_on_the_corpus_in_containers(docker, fresh_engine, tm
 
 def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_nothing_running(docker, tmp_path):
     """Uploads go as a tar stream into the container's tar (a file and a folder, owned by root and open to every
-    user, as docker cp left them); an image without tar gets docker cp. A normal exec leaves nothing running:
-    run as root, it kills what it started on its way out. /logs is read and cleared on the host, links refused."""
+    user, as docker cp left them); an image without tar gets docker cp. /logs is read and cleared on the host,
+    links refused."""
     src = tmp_path / "src"
     (src / "deep" / "er").mkdir(parents=True)
     (src / "deep" / "er" / "f.txt").write_text("folder\n")
@@ -369,9 +430,6 @@ def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_
         listing = box.exec("cat /opt/src/deep/er/f.txt /solution/sub/one.txt /tests/deep/er/f.txt; "
                            "stat -c '%U %A' /opt/src/deep/er/f.txt /tests/deep/er/f.txt", 60).stdout.split("\n")
         assert listing[:5] == ["folder", "file", "folder", "root -rw-rw-rw-", "root -rw-rw-rw-"]
-        assert box.exec("sleep 3600 & echo started", 60).stdout == "started\n"
-        sleeps = box._root("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'").stdout.strip()
-        assert sleeps == "1"  # the container's own init; the agent's background sleep is gone
         # /logs is the trial's own folder, read on the host: a link the agent makes there to a host file is refused
         box.exec("echo 1 > /logs/verifier/reward.txt; ln -s /etc/hostname /logs/agent/leak", 60)
         box.download("/logs/verifier/reward.txt", tmp_path / "reward.txt")
