@@ -189,6 +189,47 @@ reward [ "$(cat /app/count.txt 2>/dev/null)" = "2" ]
     return task
 
 
+def service_task(root: Path) -> Path:
+    """Servers the tests query, as Harbor leaves them running: one the image's ENTRYPOINT starts, one the
+    solution starts in the background (the agent's command has ended when the verifier runs)."""
+    task = root / "service"
+    _write(task / "instruction.md", "Serve /srv/www over HTTP on port 8123 with a file `answer` holding the word "
+                                    "served, and leave the server running.\n")
+    _write(task / "task.toml", "[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 60\n\n"
+                               "[environment]\nallow_internet = false\n")
+    _write(task / "environment" / "Dockerfile", "FROM python:3.11-slim\nCOPY entry.sh /entry.sh\n"
+                                                'RUN chmod 755 /entry.sh\nWORKDIR /app\nENTRYPOINT ["/entry.sh"]\n')
+    _write(task / "environment" / "entry.sh", """#!/bin/sh
+mkdir -p /srv/status && echo ready > /srv/status/state
+nohup python3 -m http.server 8124 --directory /srv/status >/dev/null 2>&1 &
+exec "$@"
+""")
+    _write(task / "solution" / "solve.sh", """#!/bin/bash
+mkdir -p /srv/www && echo served > /srv/www/answer
+nohup python3 -m http.server 8123 --directory /srv/www >/dev/null 2>&1 &
+""", 0o755)
+    _write(task / "tests" / "test.sh", '''#!/usr/bin/env python3
+import pathlib
+import time
+import urllib.request
+
+
+def fetch(url):  # a server started a moment ago may not listen yet
+    for _ in range(100):
+        try:
+            return urllib.request.urlopen(url, timeout=5).read().decode().strip()
+        except OSError:
+            time.sleep(0.1)
+    return None
+
+
+state, answer = fetch("http://127.0.0.1:8124/state"), fetch("http://127.0.0.1:8123/answer")
+print("entrypoint's server:", state, "agent's server:", answer)
+pathlib.Path("/logs/verifier/reward.txt").write_text(str(int(state == "ready" and answer == "served")))
+''', 0o755)
+    return task
+
+
 def corpus(root: Path) -> Path:
     """The winning corpus (build, image, plain, multi-step) in one dataset folder."""
     for make in (build_task, image_task, plain_task, multi_step_task):

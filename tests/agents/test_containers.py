@@ -9,7 +9,7 @@ import os
 import subprocess
 
 import pytest
-from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task
+from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task, service_task
 
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
 from harness_trainer.agents.containers import DockerSandbox
@@ -212,7 +212,7 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
     assert summary.solution_failed == 0 and all(r.solution.startswith("solve.sh exited 0") for r in records)
     if harness == "mini-swe-agent":  # a dataset with a task that cannot be built runs the rest, naming it; a
         mixed = tmp_path / "mixed"  # solution that fails is counted apart from a verifier's 0
-        plain_task(mixed), build_task(mixed), plain_task(mixed / "failing")
+        plain_task(mixed), build_task(mixed), plain_task(mixed / "failing"), service_task(mixed)
         (mixed / "build" / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN exit 3\n")
         (mixed / "failing" / "plain" / "solution" / "solve.sh").write_text("#!/bin/bash\necho no-such-fix\nexit 4\n")
         (mixed / "failing" / "plain").rename(mixed / "failing-plain"), (mixed / "failing").rmdir()
@@ -222,7 +222,9 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
         (gated / "steps" / "create" / "solution" / "solve.sh").write_text("#!/bin/bash\necho gamma > notes.txt\n")
         rest, rows = evaluate(EvalConfig(dataset=str(mixed), harness=harness, vllm_url=engine.url, policy="oracle",
                                          agent_config=config, skip_invalid_tasks=True, output_dir=str(tmp_path / "m")))
-        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (3, 1, ["build"], 1)
+        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (4, 2, ["build"], 1)
+        served = next(r for r in rows if r.task == "service")  # its servers outlived the agent's command
+        assert "entrypoint's server: ready agent's server: served" in served.verifier_output, served.reason
         stopped = next(r for r in rows if r.task == "multi-step")
         assert stopped.status == "ok" and stopped.outcome.env_reward == 0.0 and len(stopped.steps) == 1
         assert stopped.steps[0]["stopped"] == "step create: reward = 0.0 is below its min_reward 1.0"
