@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 
 import httpx
 
@@ -184,10 +185,19 @@ class Capture:
     async def ended(self, call: CallInFlight, status: int = 200) -> None:
         """The agent has its whole answer: an engine's error (5xx, a broken stream) or a real one."""
         self.release(call)
-        call.session.engine_failure = ("the stream broke off" if call.failed else
-                                       f"the engine answered HTTP {status}" if status >= 500 else None)
+        self.engine_answered(call, "the stream broke off" if call.failed else
+                             f"the engine answered HTTP {status}" if status >= 500 else None)
         if self.several and (call.failed or status in (502, 503, 504)):
             await self.check_engine(call.session.upstream, call.session)  # died under the call?
+
+    @staticmethod
+    def engine_answered(call: CallInFlight, failure: str | None) -> None:
+        """The session's latest call got its answer from the engine (None), or why not: kept on the session (a
+        rollout that ends on it is unscorable) and said in the proxy's log."""
+        call.session.engine_failure = failure
+        if failure:
+            print(f"capture proxy: session {call.session.id}: no answer from the engine: {failure}", file=sys.stderr,
+                  flush=True)
 
     async def answer(self, call: CallInFlight, status: int, body: bytes) -> Reply:
         """Retry, capture and translate an answer that came in one piece; errors pass translated."""

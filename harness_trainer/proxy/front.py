@@ -145,7 +145,7 @@ class Front:
                 return await self._stream(call, answer, writer)
             body = await answer.read()
         except UpstreamError as exc:
-            call.session.engine_failure = str(exc)
+            self.capture.engine_answered(call, str(exc))
             await self.capture.failed(call)
             writer.write(reply_bytes(json_reply(502, call.dialect.error(502, str(exc))), keep))
             await writer.drain()

@@ -163,6 +163,7 @@ def test_a_call_no_engine_answers_is_the_sessions_engine_failure(tmp_path):
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert down.status_code == 502 and "could not be reached" in down.json()["error"]["message"]
         assert "could not be reached" in proxy.client.session(session["id"])["engine_failure"]
+    assert f"session {session['id']}: no answer from the engine" in (tmp_path / "p.log").read_text()  # its log says
 
 
 class CutStreamUpstream(StubHandler):
