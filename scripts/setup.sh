@@ -16,8 +16,8 @@
 #   .tools/gemini-cli, .tools/qwen-code  gemini-cli (npm @google/gemini-cli), qwen-code (npm @qwen-code/qwen-code)
 #   chromium      Debian's chromium + chromium-driver (apt, as root): the headless browser the viewer's tests use
 #   cc            Debian's gcc (apt, as root) where no C compiler is: each trial's forwarder is compiled once
-#   docker        Debian's docker.io + debootstrap (apt, as root), its daemon started when none runs, and the
-#                 local base images the container tests' Dockerfiles name (scripts/base_images.sh: no registry
+#   docker        Debian's docker.io, docker-compose + debootstrap (apt, as root), its daemon started when none
+#                 runs, and the local base images the container tests' Dockerfiles name (scripts/base_images.sh: no registry
 #                 is reachable, so they are made from Debian's packages)
 #   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
 #   bench         only with BENCH=1 (`make bench`): Debian's nginx-light and wrk, py-spy in .venv (bench/wrk.py)
@@ -247,10 +247,10 @@ elif command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2
 elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then run_step chromium "apt" install_chromium
 else echo "setup: skipping chromium (needs root and apt): the viewer's browser tests will be skipped" >&2; fi
 install_docker() {  # the container sandbox: tasks with an environment/Dockerfile or docker_image
-  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install docker.io debootstrap yourself"; return 1; fi
-  local pkgs="docker.io debootstrap"
+  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install docker.io docker-compose debootstrap yourself"; return 1; fi
+  local pkgs="docker.io docker-compose debootstrap"  # compose: tasks with an environment/docker-compose.yaml
   apt-get install -y --no-install-recommends $pkgs || { apt-get update && apt-get install -y --no-install-recommends $pkgs; }
-  command -v dockerd && command -v debootstrap
+  command -v dockerd && command -v docker-compose && command -v debootstrap
 }
 start_docker() {  # every time: a daemon does not survive a restart of the machine
   docker info >/dev/null 2>&1 && return 0
@@ -262,7 +262,7 @@ start_docker() {  # every time: a daemon does not survive a restart of the machi
 }
 if ! wanted docker; then :
 elif command -v dockerd >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }; then
-  command -v dockerd >/dev/null 2>&1 || run_step docker "apt" install_docker
+  { command -v dockerd && command -v docker-compose; } >/dev/null 2>&1 || run_step docker "apt+compose" install_docker
   if start_docker; then bash scripts/base_images.sh "$STAMPS" || fail docker "the local base images could not be made" \
       "read the lines above (debootstrap needs Debian's package mirror), then re-run 'make setup'"
   else echo "setup: the Docker daemon is not running and could not be started (see $STAMPS/dockerd.log): tasks that need an image, and their tests, will not run" >&2; fi

@@ -230,6 +230,50 @@ pathlib.Path("/logs/verifier/reward.txt").write_text(str(int(state == "ready" an
     return task
 
 
+def compose_task(root: Path) -> Path:
+    """Harbor's multi-container environment: environment/docker-compose.yaml adds a service the tests and the
+    agent reach by its name (built from its own Dockerfile, healthy before the trial starts) and gives `main` an
+    environment variable; no internet, yet the services reach each other."""
+    task = root / "compose"
+    _write(task / "instruction.md", "Write what $SIDECAR_URL/hello answers into /app/answer.txt.\n")
+    _write(task / "task.toml", '[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 60\n\n[environment]\n'
+                               'docker_image = "python:3.11-slim"\nworkdir = "/app"\nallow_internet = false\n')
+    _write(task / "environment" / "docker-compose.yaml", """services:
+  main:
+    depends_on:
+      web:
+        condition: service_healthy
+    environment:
+      SIDECAR_URL: http://web:8000
+  web:
+    build: ./web
+    healthcheck:
+      test: ["CMD", "python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/hello')"]
+      interval: 1s
+      retries: 120
+""")
+    _write(task / "environment" / "web" / "Dockerfile", "FROM python:3.11-slim\nRUN mkdir /w && echo sidecar > "
+                                                        '/w/hello\nCMD ["python3", "-m", "http.server", "8000", '
+                                                        '"--directory", "/w"]\n')
+    _write(task / "solution" / "solve.sh", """#!/bin/bash
+python3 - > /app/answer.txt <<'EOF'
+import os, urllib.request
+print(urllib.request.urlopen(os.environ["SIDECAR_URL"] + "/hello").read().decode().strip())
+EOF
+""", 0o755)
+    _write(task / "tests" / "test.sh", '''#!/usr/bin/env python3
+import pathlib
+import urllib.request
+
+answer = pathlib.Path("/app/answer.txt")
+served = urllib.request.urlopen("http://web:8000/hello", timeout=10).read().decode().strip()
+print("the service says:", served, "answer:", answer.read_text().strip() if answer.is_file() else None)
+right = answer.is_file() and answer.read_text().strip() == served == "sidecar"
+pathlib.Path("/logs/verifier/reward.txt").write_text(str(int(right)))
+''', 0o755)
+    return task
+
+
 def corpus(root: Path) -> Path:
     """The winning corpus (build, image, plain, multi-step) in one dataset folder."""
     for make in (build_task, image_task, plain_task, multi_step_task):

@@ -27,7 +27,16 @@ import uuid
 from pathlib import Path
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents.images import LABEL, ContainerSpec, docker_cli, image_config, image_folder, warn_once
+from harness_trainer.agents import compose
+from harness_trainer.agents.images import (
+    LABEL,
+    ContainerSpec,
+    compose_digest,
+    docker_cli,
+    image_config,
+    image_folder,
+    warn_once,
+)
 from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
 from harness_trainer.agents.spares import SPARES
 
@@ -52,7 +61,8 @@ def _reaper(pid: int) -> subprocess.Popen:
     does that for its own container, but only once it runs: a container being started, a spare, or one whose
     removal was under way when the run died has none (6 of 16 were left after a SIGKILL at scale)."""
     script = (f"tail --pid={pid} -f /dev/null; "  # GNU tail: one process that polls, no `sleep` a second
-              f"docker ps -aq --filter label={LABEL}={pid} | xargs -r docker rm -f >/dev/null 2>&1")
+              f"docker ps -aq --filter label={LABEL}={pid} | xargs -r docker rm -f >/dev/null 2>&1; "
+              f"docker network ls -q --filter label={LABEL}={pid} | xargs -r docker network rm >/dev/null 2>&1")
     return subprocess.Popen(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -87,11 +97,12 @@ class DockerSandbox(TrialDirs):
         self.name = f"harness-trial-{os.getpid()}-{hashlib.sha1(str(self.trial).encode()).hexdigest()[:10]}"
         self.bridge = self.forwarder = self.kind = self.origin = None
         self.spare, self.execs, self.uids = False, Execs(), {"root": 0, "0": 0}
+        self.compose_files: list[str] = []  # a task with a docker-compose.yaml: its project's files (compose.py)
 
     def start(self) -> None:
         """A spare if one waits (agents/spares.py), else a container of its own; then a spare for the next."""
         super().start()
-        if self.spare:
+        if self.spare or self.spec.compose is not None:  # a compose project is not kept ahead
             return self._run()
         kind = (self.image, repr(self.spec), self.proxy, self.trial.parent)
         spare = SPARES.take(kind)
@@ -133,22 +144,21 @@ class DockerSandbox(TrialDirs):
         for name in (*self.MOUNTED, "logs/agent", "logs/verifier"):
             (self.trial / name).chmod(0o777)  # the image's USER may not be root
         (self.trial / "logs").chmod(0o1777)  # sticky: what the agent left cannot swap /logs/verifier for its own
-        spec, argv = self.spec, ["docker", "run", "-d", "--name", self.name, "--label", f"{LABEL}={os.getpid()}",
-                                 "--network", "bridge" if self.spec.allow_internet else "none",
-                                 "-w", self.workdir]
-        if spec.cpus:
-            argv += ["--cpus", str(_host_cpus(spec.cpus))]
-        if spec.memory_mb:
-            argv += ["--memory", f"{spec.memory_mb}m"]
-        for key, value in spec.env.items():
-            argv += ["-e", f"{key}={value}"]
-        for name in self.MOUNTED:
-            argv += ["-v", f"{self.trial / name}:/{name}"]
-        for path in agent_program_paths():
-            argv += ["-v", f"{path}:{path}:ro"]
-        result = subprocess.run(argv + [self.image, "sh", "-c", REAPER], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
+        spec, main = self.spec, self._main()
+        if spec.compose is not None:  # its services beside it, on a network of the trial's own
+            self.compose_files = compose.up_trial(self.name, self.trial / ".compose", spec.compose, main,
+                                                  image=self.image, digest=compose_digest(spec),
+                                                  internet=spec.allow_internet, timeout_s=spec.build_timeout_s)
+        else:
+            argv = ["docker", "run", "-d", "--name", self.name, "--network", "bridge" if spec.allow_internet
+                    else "none", "-w", main["working_dir"], "--label", f"{LABEL}={os.getpid()}"]
+            argv += (["--cpus", str(main["cpus"])] if "cpus" in main else []) + \
+                (["--memory", main["mem_limit"]] if "mem_limit" in main else [])
+            argv += [arg for key, value in main["environment"].items() for arg in ("-e", f"{key}={value}")]
+            argv += [arg for volume in main["volumes"] for arg in ("-v", volume)]
+            result = subprocess.run(argv + [self.image, *main["command"]], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise SandboxError(f"docker could not start {self.image}: {result.stderr.strip()[:300]}")
         if image_config(self.image).get("Entrypoint"):
             self._running()
         users = {self.user, spec.agent_user or self.user, spec.verifier_user or self.user} - ROOT
@@ -159,6 +169,18 @@ class DockerSandbox(TrialDirs):
             self._forward()
         if spec.healthcheck:
             self._healthy(spec.healthcheck)
+
+    def _main(self) -> dict:
+        """The trial's container as a compose service: `docker run`'s arguments, or compose's `main`."""
+        main = {"container_name": self.name, "working_dir": self.workdir, "environment": dict(self.spec.env),
+                "command": ["sh", "-c", REAPER], "labels": {LABEL: str(os.getpid())},
+                "volumes": [f"{self.trial / name}:/{name}" for name in self.MOUNTED] +
+                           [f"{path}:{path}:ro" for path in agent_program_paths()]}
+        if self.spec.cpus:
+            main["cpus"] = _host_cpus(self.spec.cpus)
+        if self.spec.memory_mb:
+            main["mem_limit"] = f"{self.spec.memory_mb}m"
+        return main
 
     def _root(self, command: str, timeout_s: float = 60) -> ExecResult:
         return run_process(["docker", "exec", "-u", "root", self.name, "sh", "-c", command], timeout_s, kill_group)
@@ -231,7 +253,8 @@ class DockerSandbox(TrialDirs):
         forward = shlex.join(["nsenter", "-t", pid, "-n", *in_trial(), "--port", str(port),
                               "--socket", str(socket_path), "--watch", str(os.getpid())])
         self.forwarder = subprocess.Popen(
-            ["sh", "-c", f"{forward}; docker rm -f {self.name} >/dev/null 2>&1; rm -rf {self.bridge.folder}"],
+            ["sh", "-c", f"{forward}; docker rm -f {self.name} >/dev/null 2>&1; {compose.remove(self.name)}; "
+                         f"rm -rf {self.bridge.folder}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if self.forwarder.stdout.readline().strip() != "listening":
             raise SandboxError(f"the proxy forwarder did not start in {self.name}: "
@@ -363,7 +386,10 @@ class DockerSandbox(TrialDirs):
             self.forwarder.wait()
         if self.bridge is not None:
             self.bridge.close()
-        docker_cli("rm", "-f", self.name)
+        if self.compose_files:
+            compose.down(self.name, self.compose_files)
+        else:
+            docker_cli("rm", "-f", self.name)
         # A spare's folder is no trial's record (an adopted one's: what docker cp made again where its mounts were)
         for folder in (self.trial if self.spare else None, self.origin):
             if folder is not None:

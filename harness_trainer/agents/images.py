@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_trainer._exceptions import BuildError, SandboxError
+from harness_trainer.agents import compose
 
 DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
 LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it
@@ -44,6 +45,7 @@ class ContainerSpec:
     allow_internet: bool = True  # true: the container's bridge (never the host's loopback); false: no network
     env: dict = field(default_factory=dict)  # set in the container (templates already resolved)
     healthcheck: dict | None = None  # command, interval_sec, timeout_sec, retries, start_period_sec
+    compose: Path | None = None  # environment/docker-compose.yaml: services beside the trial's (compose.py)
     agent_user: str | None = None  # [agent] user: who runs the agent (and so the oracle's solve.sh); None: USER
     verifier_user: str | None = None  # [verifier] user: who runs test.sh; None: the image's USER
 
@@ -109,7 +111,31 @@ def _slug(name: str) -> str:
 
 
 def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
-    """The image a task's trials run: its docker_image (Harbor's choice when a task has both; --force-build sets
+    """The image a task's trials run (`_main_image`); a task with a docker-compose.yaml also gets the services
+    it builds, once (compose.py)."""
+    image = _main_image(name, spec, log_dir)
+    if spec.compose is not None:
+        if not shutil.which("docker-compose"):
+            raise BuildError(f"task {name} has an environment/docker-compose.yaml and this machine has no "
+                             "docker-compose: `apt-get install docker-compose` (make setup does, as root)")
+        digest = compose_digest(spec)
+        with _LOCK:
+            lock = _BUILDING.setdefault(f"services:{digest}", threading.Lock())
+        with lock:
+            found, _ = compose.services(spec.compose)
+            if any("build" in s and not image_exists(compose.built_image(n, digest)) for n, s in found.items()):
+                compose.build(name, spec.compose, image, digest,
+                              (log_dir or Path.cwd()) / f"build-{_slug(name)}-services.log", spec.build_timeout_s)
+    return image
+
+
+def compose_digest(spec: ContainerSpec) -> str:
+    """What names a compose task's built services: its environment/ folder's digest."""
+    return _cached_digest(spec.compose.parent)[:16]
+
+
+def _main_image(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> str:
+    """The image of a task's trial container: its docker_image (Harbor's choice when a task has both; --force-build sets
     it aside: sandboxes.check_task_sandboxes), else built (or reused) from its Dockerfile, else the default
     image. A docker_image that cannot be had is built from the task's Dockerfile when it has one, with a
     warning. BuildError when there is no image."""
@@ -225,7 +251,8 @@ def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None,
 
 
 def remove_orphans() -> list[str]:
-    """Remove trial containers whose run's process is gone; returns their names."""
+    """Remove trial containers (and compose trials' networks) whose run's process is gone; returns the
+    containers' names."""
     listed = docker_cli("ps", "-a", "--filter", f"label={LABEL}", "--format", '{{.Names}} {{.Label "' + LABEL + '"}}')
     gone = []
     for line in listed.stdout.splitlines():
@@ -233,6 +260,12 @@ def remove_orphans() -> list[str]:
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             docker_cli("rm", "-f", container)
             gone.append(container)
+    listed = docker_cli("network", "ls", "--filter", f"label={LABEL}", "--format",
+                        '{{.Name}} {{.Label "' + LABEL + '"}}')
+    for line in listed.stdout.splitlines():  # a compose trial's network (compose.py)
+        network, _, owner = line.partition(" ")
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            docker_cli("network", "rm", network)
     return gone
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness_trainer._exceptions import TaskError
+from harness_trainer.agents.compose import services as compose_services
 from harness_trainer.agents.images import ContainerSpec, warn_once
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
 from harness_trainer.rollouts.steps import Step, read_steps
@@ -136,12 +137,24 @@ def _environment(path: Path, table: dict, where: str, problems: list[str]) -> Co
         health = None
     return ContainerSpec(
         context=path / "environment" if dockerfile.is_file() else None, image=image.strip() if image else None,
+        compose=_compose(path, bool(image) or dockerfile.is_file(), problems),
         workdir=workdir, cpus=float(cpus) if cpus else None,
         memory_mb=size_mb(table.get("memory_mb", table.get("memory")), "memory_mb", where, problems),
         storage_mb=size_mb(table.get("storage_mb", table.get("storage")), "storage_mb", where, problems),
         build_timeout_s=seconds(table, "build_timeout_sec", where, 600.0, problems),
         allow_internet=_network(table, where, problems), env=resolve_env(table.get("env"), where, problems),
         healthcheck=dict(health) if health else None)
+
+
+def _compose(path: Path, has_image: bool, problems: list[str]) -> Path | None:
+    """environment/docker-compose.yaml (Harbor's name for it), checked; its services run beside the trial's."""
+    found = path / "environment" / "docker-compose.yaml"
+    if not found.is_file():
+        return None
+    problems += compose_services(found)[1]
+    if not has_image:
+        problems.append(f"{found}: the trial's own service (main) needs an environment/Dockerfile or a docker_image")
+    return found.resolve()
 
 
 def _phase_networks(config: dict, environment: ContainerSpec, toml_path: Path, problems: list[str]) -> None:

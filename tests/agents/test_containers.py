@@ -9,7 +9,16 @@ import os
 import subprocess
 
 import pytest
-from harbor_corpus import BARE_IMAGE, build_task, corpus, image_task, multi_step_task, plain_task, service_task
+from harbor_corpus import (
+    BARE_IMAGE,
+    build_task,
+    compose_task,
+    corpus,
+    image_task,
+    multi_step_task,
+    plain_task,
+    service_task,
+)
 
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
 from harness_trainer.agents.containers import DockerSandbox
@@ -75,6 +84,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
         '[agent]\nnetwork_mode = "public"\nuser = true\n'
         '[verifier]\ntimeout_sec = -1\nenv = { K = "${HARNESS_NOT_SET_ANYWHERE}" }\nallowed_hosts = ["pypi.org"]\n'
         '[environment]\nnetwork_mode = "allowlist"\n')
+    (bad / "build" / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    image: other\n  side:\n    image: x\n    network_mode: host\n")
     with pytest.raises(TaskError) as refused:
         load_dataset(str(bad))
     message = str(refused.value)
@@ -85,6 +96,7 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     assert "[agent]: network_mode = 'public', but a trial's network is set once" in message  # not run on another
     assert "[verifier]: allowed_hosts is not supported yet" in message
     assert "[agent]: user must be a user name or a UID, not True" in message
+    assert "services.main.image is the trial's to set" in message and "side has network_mode: host" in message
     assert [t.name for t in load_dataset(str(bad), skip_invalid=True)] == ["plain"]
     assert "skipping task multi-step" in capsys.readouterr().err
 
@@ -213,6 +225,7 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
     if harness == "mini-swe-agent":  # a dataset with a task that cannot be built runs the rest, naming it; a
         mixed = tmp_path / "mixed"  # solution that fails is counted apart from a verifier's 0
         plain_task(mixed), build_task(mixed), plain_task(mixed / "failing"), service_task(mixed)
+        compose_task(mixed)
         (mixed / "build" / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nRUN exit 3\n")
         (mixed / "failing" / "plain" / "solution" / "solve.sh").write_text("#!/bin/bash\necho no-such-fix\nexit 4\n")
         (mixed / "failing" / "plain").rename(mixed / "failing-plain"), (mixed / "failing").rmdir()
@@ -222,7 +235,9 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
         (gated / "steps" / "create" / "solution" / "solve.sh").write_text("#!/bin/bash\necho gamma > notes.txt\n")
         rest, rows = evaluate(EvalConfig(dataset=str(mixed), harness=harness, vllm_url=engine.url, policy="oracle",
                                          agent_config=config, skip_invalid_tasks=True, output_dir=str(tmp_path / "m")))
-        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (4, 2, ["build"], 1)
+        assert (rest.tasks, rest.wins, rest.skipped, rest.solution_failed) == (5, 3, ["build"], 1)
+        composed = next(r for r in rows if r.task == "compose")  # its service, built, reached by its name
+        assert "the service says: sidecar answer: sidecar" in composed.verifier_output, composed.reason
         served = next(r for r in rows if r.task == "service")  # its servers outlived the agent's command
         assert "entrypoint's server: ready agent's server: served" in served.verifier_output, served.reason
         stopped = next(r for r in rows if r.task == "multi-step")
@@ -243,7 +258,9 @@ from harness_trainer.agents.images import ContainerSpec
 root, port = Path(sys.argv[1]), int(sys.argv[2])
 boxes = [LocalSandbox(root / "local", proxy=("127.0.0.1", port)),
          DockerSandbox(root / "docker", sys.argv[3], ContainerSpec(image=sys.argv[3]), proxy=("127.0.0.1", port)),
-         DockerSandbox(root / "bare", sys.argv[3], ContainerSpec(image=sys.argv[3]))]  # no forwarder to remove it
+         DockerSandbox(root / "bare", sys.argv[3], ContainerSpec(image=sys.argv[3])),  # no forwarder to remove it
+         DockerSandbox(root / "compose", sys.argv[3], ContainerSpec(image=sys.argv[3], compose=Path(sys.argv[4])),
+                       proxy=("127.0.0.1", port))]  # a service beside it, on a network of its own
 for box in boxes:
     box.start()
     threading.Thread(target=box.exec, args=("sleep 300", 600), daemon=True).start()
@@ -255,17 +272,21 @@ time.sleep(600)
 def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tmp_path):
     """A run SIGKILLed mid-rollout (no stop(), no cleanup of ours): its jail, its containers and both forwarders
     end by themselves within seconds: a container's forwarder removes it, and the run's reaper every container
-    it labelled, one with no forwarder included (one being started, a spare, one being removed)."""
+    it labelled, one with no forwarder included (one being started, a spare, one being removed), and a compose
+    trial's services and network."""
     import signal
     import sys
     import time
 
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), str(proxy.port), BARE_IMAGE],
+    side = tmp_path / "environment" / "docker-compose.yaml"
+    side.parent.mkdir()
+    side.write_text(f"services:\n  side:\n    image: {BARE_IMAGE}\n    command: [sleep, '3600']\n")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), str(proxy.port), BARE_IMAGE, str(side)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "running"
     pid = holder.pid
     assert len(subprocess.run(["docker", "ps", "-q", "--filter", f"label={LABEL}={pid}"], capture_output=True,
-                              text=True).stdout.split()) == 2  # both containers run
+                              text=True).stdout.split()) == 4  # both containers, compose's main and its service
     os.kill(pid, signal.SIGKILL)
     holder.wait()
 
@@ -274,7 +295,9 @@ def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tm
                                      "{{.Names}}"], capture_output=True, text=True).stdout.split()
         processes = subprocess.run(["pgrep", "-af", "--", f"--watch {pid}|{tmp_path}"], capture_output=True,
                                    text=True).stdout.splitlines()
-        return containers + processes
+        networks = subprocess.run(["docker", "network", "ls", "-q", "--filter", f"label={LABEL}={pid}"],
+                                  capture_output=True, text=True).stdout.split()
+        return containers + processes + networks
 
     deadline = time.monotonic() + 30
     while left() and time.monotonic() < deadline:
