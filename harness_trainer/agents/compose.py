@@ -6,10 +6,11 @@ task's file adds services (a database, a server its tests query) and may add to 
 environment). Here the same merge goes to Debian's docker-compose (1.29), three files in order:
 
     main.yaml   `main` as `docker run` would start it (containers.py): image, the idle command, workdir, env,
-                limits, the trial's mounts; the project's network internal when the task has no internet
+                limits, the trial's mounts
     the task's  its services, and what it adds to `main`
     labels.yaml the run's label on every service and the network, so a run killed with SIGKILL leaves none
-                (containers.py's reaper, images.remove_orphans); a built service's image named once per task
+                (containers.py's reaper, images.remove_orphans); a built service's image named once per task;
+                the network, internal and without the host's address when the task has no internet
 
 Each trial is a project of its own (its container's name): its services answer to their names on its network
 only, and the capture proxy stays the agent's one road out (the forwarder runs in main's network namespace).
@@ -82,12 +83,17 @@ def write_files(folder: Path, compose: Path, main: dict, digest: str, *, labels:
     """Our two files in `folder` (main.yaml, labels.yaml) and the task's between them: the `-f` arguments."""
     found, _ = services(compose)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "main.yaml").write_text(yaml.safe_dump({
-        "services": {MAIN: main}, "networks": {"default": {"internal": not internet}}}))
+    (folder / "main.yaml").write_text(yaml.safe_dump({"services": {MAIN: main}}))
+    # The network in the last file: a later file's definition replaces an earlier one's whole. Without internet:
+    # internal (no route out) and no address of the host's on its bridge, so the host's own services (anything
+    # listening on 0.0.0.0, reached through a bridge's gateway) are out of reach too
+    network = {"labels": labels}
+    if not internet:
+        network.update(internal=True, driver_opts={"com.docker.network.bridge.inhibit_ipv4": "true"})
     named = {name: {"labels": labels, **({"image": built_image(name, digest)} if "build" in service else {})}
              for name, service in found.items() if name != MAIN}
     (folder / "labels.yaml").write_text(yaml.safe_dump({
-        "services": {MAIN: {"labels": labels}, **named}, "networks": {"default": {"labels": labels}}}))
+        "services": {MAIN: {"labels": labels}, **named}, "networks": {"default": network}}))
     # the task's relative paths (`build: ./web`) are its folder's, not those of the first file's folder
     return ["--project-directory", str(compose.parent), "-f", str(folder / "main.yaml"), "-f", str(compose), "-f",
             str(folder / "labels.yaml")]

@@ -305,6 +305,41 @@ def test_nothing_of_a_trial_outlives_a_run_killed_with_sigkill(docker, proxy, tm
     assert left() == []
 
 
+def test_a_compose_trial_reaches_its_services_and_nothing_of_the_host(docker, tmp_path):
+    """Without internet, a compose trial's network has no route out and no address of the host's: a server on
+    every host address (0.0.0.0) is out of its reach, its service is not. (A bridge network, even internal, would
+    reach the host's 0.0.0.0 services through its gateway.)"""
+    import socket
+    import threading
+
+    from harness_trainer.agents.images import ContainerSpec
+
+    listener = socket.create_server(("0.0.0.0", 0))
+    threading.Thread(target=lambda: [listener.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+    hosts = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    hosts += subprocess.run(["docker", "network", "inspect", "bridge", "--format", "{{range .IPAM.Config}}"
+                             "{{.Gateway}}{{end}}"], capture_output=True, text=True).stdout.split()
+    side = tmp_path / "environment" / "docker-compose.yaml"
+    side.parent.mkdir()
+    side.write_text("services:\n  side:\n    image: python:3.11-slim\n"
+                    "    command: [python3, -m, http.server, '8000']\n")
+    box = DockerSandbox(tmp_path / "trial", BARE_IMAGE, ContainerSpec(image=BARE_IMAGE, compose=side,
+                                                                      allow_internet=False))
+    try:
+        box.start()
+        port = listener.getsockname()[1]
+        reach = "; ".join(f"timeout 5 bash -c 'exec 3<>/dev/tcp/{h}/{port}' 2>/dev/null && echo host {h}"
+                          for h in hosts)
+        side_up = ("for i in $(seq 600); do (exec 3<>/dev/tcp/side/8000) 2>/dev/null && echo side && break; "
+                   "sleep 0.1; done")
+        assert box.exec(f"{reach}; {side_up}", 120).stdout.split("\n") == ["side", ""], hosts
+    finally:
+        box.stop()
+        listener.close()
+    SPARES.settle()
+    assert trial_containers() == []
+
+
 def test_a_task_user_runs_its_phase_and_one_the_image_lacks_is_refused(docker, tmp_path, capsys):
     """Harbor runs the agent as [agent] user and test.sh as [verifier] user (`docker exec -u`); a user the image
     does not have would fail every exec as it: the trial is refused with the reason. Bubblewrap cannot switch
