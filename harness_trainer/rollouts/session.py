@@ -363,8 +363,8 @@ def run_rollout(factory: SessionFactory, task: Task, episode_id: str | None = No
                 reason = f"could not fetch the trace: {exc}"
         stops = session.proxy_stops()
         lost = next((s for s in stops if s.startswith((ENGINE_LOST, ENGINE_FAILED))), None)  # not the policy's end
-        if lost:
-            reason = lost
+        if lost:  # after the agent's own account of it, where it gave one
+            reason = f"{reason} ({lost})" if session.error else lost
         elif not reason and stops:  # the agent was stopped cleanly: say why
             reason = "stopped by the capture proxy: " + "; ".join(stops)
         if not reason and exit_code and not session.timed_out:  # scored as it stands, but say the agent died
