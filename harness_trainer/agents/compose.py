@@ -14,20 +14,17 @@ environment). Here the same merge goes to Debian's docker-compose (1.29), three 
 
 Each trial is a project of its own (its container's name): its services answer to their names on its network
 only, and the capture proxy stays the agent's one road out (the forwarder runs in main's network namespace).
-A service with `build:` is built once, before any rollout (`build`), under a name of the task's.
+A service with `build:` is built once, before any rollout (images.py), under a name of the task's.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from harness_trainer._exceptions import BuildError, SandboxError
+from harness_trainer._exceptions import SandboxError
 
 MAIN = "main"
 MAIN_OWN = ("image", "build", "network_mode", "networks", "container_name")  # the trial's to set, not the task's
@@ -53,29 +50,6 @@ def services(compose: Path) -> tuple[dict, list[str]]:
 def built_image(service: str, digest: str) -> str:
     """A built service's image, named by its task's environment/ folder (its digest) and the service."""
     return f"harness-service/{service.lower()}:{digest}"
-
-
-def build(task: str, compose: Path, main_image: str, digest: str, log: Path, timeout_s: float) -> None:
-    """Every service of the task's file that has `build:`, once, before any rollout; BuildError with its log."""
-    found, _ = services(compose)
-    wanted = [name for name, service in found.items() if "build" in service and name != MAIN]
-    if not wanted:
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder, open(log, "w") as out:
-        files = write_files(Path(folder), compose, {"image": main_image}, digest, labels={})
-        try:
-            done = subprocess.run(["docker-compose", "-p", f"harness-build-{digest}", *files, "build", *wanted],
-                                  stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
-            failure = f"docker-compose build exited {done.returncode}" if done.returncode else ""
-        except subprocess.TimeoutExpired:
-            failure = f"the build ran past build_timeout_sec ({timeout_s:.0f} s)"
-    if failure:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
-        raise BuildError(f"task {task}: a service of its docker-compose.yaml did not build ({failure}); the build "
-                         f"log is {log}:\n{tail}")
-    print(f"built the services of task {task} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
 def write_files(folder: Path, compose: Path, main: dict, digest: str, *, labels: dict,

@@ -124,8 +124,7 @@ def image_for(name: str, spec: ContainerSpec, log_dir: Path | None = None) -> st
         with lock:
             found, _ = compose.services(spec.compose)
             if any("build" in s and not image_exists(compose.built_image(n, digest)) for n, s in found.items()):
-                compose.build(name, spec.compose, image, digest,
-                              (log_dir or Path.cwd()) / f"build-{_slug(name)}-services.log", spec.build_timeout_s)
+                _build_services(name, spec, image, digest, log_dir)
     return image
 
 
@@ -210,22 +209,37 @@ def _build(name: str, spec: ContainerSpec, tag: str, log_dir: Path | None) -> No
         raise BuildError(f"task {name}: its environment/Dockerfile uses heredocs (RUN <<EOF ...), which only "
                          "BuildKit builds, and this Docker has no BuildKit (no `docker buildx`; Debian's docker.io "
                          "20.10 ships none): install Docker's buildx plugin, or write the heredoc as RUN lines")
-    log = (log_dir or Path.cwd()) / f"build-{_slug(name)}.log"
+    _logged(["docker", "build", "--force-rm", "--label", "harness-trainer.task=" + name, "-t", tag, str(spec.context)],
+            (log_dir or Path.cwd()) / f"build-{_slug(name)}.log", spec.build_timeout_s,
+            f"task {name}: its environment/Dockerfile", f"the image of task {name} ({tag})")
+
+
+def _build_services(name: str, spec: ContainerSpec, main_image: str, digest: str, log_dir: Path | None) -> None:
+    """The services of a task's docker-compose.yaml that have `build:`, once, named by its environment/ digest."""
+    found, _ = compose.services(spec.compose)
+    wanted = [n for n, service in found.items() if "build" in service and n != compose.MAIN]
+    with tempfile.TemporaryDirectory() as folder:
+        files = compose.write_files(Path(folder), spec.compose, {"image": main_image}, digest, labels={})
+        _logged(["docker-compose", "-p", f"harness-build-{digest}", *files, "build", *wanted],
+                (log_dir or Path.cwd()) / f"build-{_slug(name)}-services.log", spec.build_timeout_s,
+                f"task {name}: a service of its docker-compose.yaml", f"the services of task {name}")
+
+
+def _logged(argv: list[str], log: Path, timeout_s: float, what: str, done: str) -> None:
+    """A build, its output in `log`; BuildError naming `what` did not build, with the log's last lines."""
+    tool = " ".join(word for word in argv if word in ("docker", "docker-compose", "build"))
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log, "w") as out:
         try:
-            built = subprocess.run(["docker", "build", "--force-rm", "--label", "harness-trainer.task=" + name,
-                                    "-t", tag, str(spec.context)], stdout=out, stderr=subprocess.STDOUT,
-                                   timeout=spec.build_timeout_s)
-            failure = f"docker build exited {built.returncode}" if built.returncode else ""
+            built = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+            failure = f"{tool} exited {built.returncode}" if built.returncode else ""
         except subprocess.TimeoutExpired:
-            failure = f"the build ran past build_timeout_sec ({spec.build_timeout_s:.0f} s)"
+            failure = f"the build ran past build_timeout_sec ({timeout_s:.0f} s)"
     if failure:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
-        raise BuildError(f"task {name}: its environment/Dockerfile did not build ({failure}); the build log is {log}:"
-                         f"\n{tail}")
-    print(f"built the image of task {name} ({tag}) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        raise BuildError(f"{what} did not build ({failure}); the build log is {log}:\n{tail}")
+    print(f"built {done} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
 def prepare_images(tasks: dict[str, ContainerSpec], log_dir: Path | None = None,
