@@ -214,8 +214,8 @@ import time
 import urllib.request
 
 
-def fetch(url):  # a server started a moment ago may not listen yet
-    for _ in range(100):
+def fetch(url):  # a server started a moment ago may not listen yet (a minute: far above its start, under load too)
+    for _ in range(600):
         try:
             return urllib.request.urlopen(url, timeout=5).read().decode().strip()
         except OSError:

@@ -220,7 +220,7 @@ def _build_services(name: str, spec: ContainerSpec, main_image: str, digest: str
     wanted = [n for n, service in found.items() if "build" in service and n != compose.MAIN]
     with tempfile.TemporaryDirectory() as folder:
         files = compose.write_files(Path(folder), spec.compose, {"image": main_image}, digest, labels={})
-        _logged(["docker-compose", "-p", f"harness-build-{digest}", *files, "build", *wanted],
+        _logged(["docker-compose", "-p", f"harness-build-{digest}", *files, "build", "--force-rm", *wanted],
                 (log_dir or Path.cwd()) / f"build-{_slug(name)}-services.log", spec.build_timeout_s,
                 f"task {name}: a service of its docker-compose.yaml", f"the services of task {name}")
 

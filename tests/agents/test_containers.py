@@ -374,6 +374,8 @@ def test_what_the_agent_left_running_serves_the_verifier_and_cannot_rewrite_its_
     """As Harbor leaves the container: a finished exec's background processes stay (a server the tests query); a
     timed-out exec's are killed. An agent that is not root (its [agent] user) and not the verifier: what it left
     cannot write the verifier's tests or rewards (a reward hack a policy could learn)."""
+    from stubs import wait_until
+
     from harness_trainer.rollouts.verifier import verify
 
     task = load_task(image_task(tmp_path))
@@ -386,7 +388,8 @@ def test_what_the_agent_left_running_serves_the_verifier_and_cannot_rewrite_its_
                 "sleep 0.01; done")
         started = box.exec(f"nohup sleep 3600 >/dev/null 2>&1 & nohup sh -c '{hack}' >/dev/null 2>&1 & "
                            "echo seven > word.txt; echo ok", 60, user="nobody")
-        assert started.stdout == "ok\n" and _sleeps(box) >= 2  # the init's sleep and the agent's, kept
+        assert started.stdout == "ok\n"  # the init's sleep and the agent's, kept (once its fork has become sleep)
+        wait_until(lambda: _sleeps(box) >= 2, 300, "the agent's background sleep")
         result = verify(box, task)  # its test.sh wants no python and one interface: it says 1 for "seven"
         assert (result.reward, result.rewards) == (1.0, {"correctness": 1.0})
         box.exec("echo six > word.txt", 60, user="nobody")
