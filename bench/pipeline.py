@@ -10,12 +10,15 @@ bench/stub_engine.py (each answer takes GENERATION_S: 32 tokens at GENERATION_S 
 optimizer step is a sleep of TRAIN_S (`TimedPolicy`); a weight sync moves the proxy's policy version (the real
 route) after a sleep of SYNC_S (`TimedSync`).
 
-First a calibration step measures generation: one step's rollouts, end to end (agent start, calls, verifier).
-Then for each generation:training ratio R (training = generation / R), the synchronous loop (--max-staleness 0)
-and the asynchronous one (--max-staleness 1, a step's groups launched while the previous step trains), STEPS steps
-each. Reported per ratio and loop: steps/min and rollouts/min (after the first step: the ramp is not the pipeline),
-the mean trainer/idle_ratio and rollouter/idle_ratio, the sampled tokens discarded; then async ÷ sync beside the
-ideal (gen + train) / max(gen, train) and their quotient (the aim: >= 0.9).
+The stub engine generates at most one step's calls at once (its capacity: GROUP x GROUPS_PER_STEP answers), so
+more rollouts in flight wait for it rather than generate faster. First a calibration step measures generation:
+one step's rollouts, end to end (agent start, calls, verifier). Then for each generation:training ratio R
+(training = generation / R), the synchronous loop (--max-staleness 0) and the asynchronous one (--max-staleness 1)
+with K step's rollouts in flight for each K of --slots (1: only the step being collected; 2: the trainer's default
+ratio, 8 in flight for groups of 4, one a step, so the next step's groups generate while this one trains), STEPS
+steps each. Reported per ratio and loop: steps/min and rollouts/min (after the first step: the ramp is not the
+pipeline), the mean trainer/idle_ratio and rollouter/idle_ratio, the sampled tokens discarded; then async ÷ sync
+beside the ideal (gen + train) / max(gen, train) and their quotient (the aim: >= 0.9).
 """
 
 from __future__ import annotations
@@ -101,10 +104,11 @@ class TimedSync:
         pass
 
 
-def one_loop(args, factory, tasks, out: Path, train_s: float, max_staleness: int, steps: int) -> dict:
+def one_loop(args, factory, tasks, out: Path, train_s: float, max_staleness: int, steps: int, slots: int = 1
+             ) -> dict:
     config = AsyncGRPOConfig(output_dir=str(out), vllm_server_base_url="http://stub", num_generations=args.group,
                              groups_per_step=args.groups_per_step, max_staleness=max_staleness,
-                             max_concurrent_rollouts=args.group * args.groups_per_step, max_steps=steps,
+                             max_concurrent_rollouts=slots * args.group * args.groups_per_step, max_steps=steps,
                              save_steps=10 ** 6, shuffle_dataset=False)
     sync = TimedSync(factory.keywords["proxy"], args.sync_s)
     trainer = HarnessAsyncGRPOTrainer(None, factory, config, tasks, policy=TimedPolicy(train_s), sync=sync)
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="rollouts per group (G)")
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--sync-s", type=float, default=0.1, help="a weight sync's time")
+    parser.add_argument("--slots", default="1,2", help="the async loop's rollouts in flight, in steps' rollouts")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
@@ -137,9 +142,11 @@ def main() -> None:
     python = Path(sys.base_prefix) / "bin" / "python3"
     harness = CommandHarness(f"{python} -S -I /app/scripted_agent.py {args.calls} 20 /app/answer.txt "
                              "{instruction}")
-    stub = start_stub(args.generation_s, out / "stub.log")
+    capacity = args.group * args.groups_per_step  # the engine serves one step's rollouts at once
+    stub = start_stub(args.generation_s, out / "stub.log", capacity)
     results = {"calls": args.calls, "generation_s_per_answer": args.generation_s, "group": args.group,
-               "groups_per_step": args.groups_per_step, "sync_s": args.sync_s, "ratios": {}}
+               "groups_per_step": args.groups_per_step, "sync_s": args.sync_s, "engine_capacity": capacity,
+               "ratios": {}}
     try:
         with ProxyServer(stub.url, model="tiny", journal=out / "journal", log_path=out / "proxy.log",
                          startup_timeout_s=60) as proxy:
@@ -150,17 +157,18 @@ def main() -> None:
             generation = calibration["generation_s"]
             results["generation_s"] = generation
             for ratio in (float(r) for r in args.ratios.split(",")):
-                row = {}
-                for name, staleness in (("sync", 0), ("async", 1)):
-                    row[name] = one_loop(args, factory, tasks, out / f"r{ratio}-{name}", generation / ratio,
-                                         staleness, args.steps)
-                gen, train = generation, generation / ratio + args.sync_s
-                row["speedup"] = row["async"]["steps_per_min"] / row["sync"]["steps_per_min"]
+                train_s = generation / ratio
+                row = {"sync": one_loop(args, factory, tasks, out / f"r{ratio}-sync", train_s, 0, args.steps)}
+                gen, train = generation, train_s + args.sync_s
                 row["ideal"] = (gen + train) / max(gen, train)
-                row["of_ideal"] = row["speedup"] / row["ideal"]
+                for k in (int(k) for k in args.slots.split(",")):
+                    run = row[f"async{k}"] = one_loop(args, factory, tasks, out / f"r{ratio}-async{k}", train_s, 1,
+                                                      args.steps, k)
+                    run["speedup"] = run["steps_per_min"] / row["sync"]["steps_per_min"]
+                    run["of_ideal"] = run["speedup"] / row["ideal"]
+                    print(f"ratio {ratio}, {k} step(s) in flight: async/sync {run['speedup']:.2f}, ideal "
+                          f"{row['ideal']:.2f}, {run['of_ideal']:.0%} of it", file=sys.stderr)
                 results["ratios"][ratio] = row
-                print(f"ratio {ratio}: async/sync {row['speedup']:.2f}, ideal {row['ideal']:.2f}, "
-                      f"{row['of_ideal']:.0%} of it", file=sys.stderr)
     finally:
         stub.stop()
     print(json.dumps(results, indent=1))

@@ -187,9 +187,11 @@ def run(args, tasks, factory, out: Path) -> tuple[dict, list[float], float]:
     return totals, latencies, elapsed
 
 
-def start_stub(generation_s: float, log: Path) -> ManagedProcess:
+def start_stub(generation_s: float, log: Path, capacity: int | None = None) -> ManagedProcess:
     port = free_port()
-    stub = ManagedProcess("stub engine", [sys.executable, str(HERE / "stub_engine.py"), str(port), str(generation_s)],
+    argv = [sys.executable, str(HERE / "stub_engine.py"), str(port), str(generation_s)] + ([str(capacity)] if capacity
+                                                                                          else [])
+    stub = ManagedProcess("stub engine", argv,
                           env={"PATH": "/usr/bin:/bin"}, log_path=log, health_url=f"http://127.0.0.1:{port}/health")
     stub.start(60)
     stub.url = f"http://127.0.0.1:{port}"

@@ -2,8 +2,11 @@
 conversation, sampled ids, logprobs; JSON or SSE) after a set generation time, on one asyncio loop, with answers
 built from bytes prepared once: thousands of calls in flight cost it little, so it is not what a bench measures.
 
-    python stub_engine.py PORT GENERATION_S
+    python stub_engine.py PORT GENERATION_S [CAPACITY]
 
+CAPACITY (default: none) is the engine's batch: at most that many answers are generated at once, the others wait
+their turn, as a vLLM at its max_num_seqs queues them; so running more rollouts than the engine serves at once does
+not make generation faster.
 The answer's text is "ok " + the last [[...]] marker of the request: an agent that gets another's answer sees it.
 GET /stats: calls answered and the most in flight at once.
 """
@@ -23,7 +26,8 @@ IDS = ",".join(str(i % 50_000 + 1) for i in range(MAX_PROMPT)).encode()
 ENDS = [0] + [m.start() for m in re.finditer(b",", IDS)] + [len(IDS)]  # IDS[:ENDS[n]] = the first n ids
 SAMPLED = list(range(100, 100 + TOKENS))
 LOGPROBS = [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": [120], "top_logprobs": []} for i in SAMPLED]
-stats = {"calls": 0, "in_flight": 0, "most_in_flight": 0}
+stats = {"calls": 0, "in_flight": 0, "most_in_flight": 0, "queued_s": 0.0}
+batch: asyncio.Semaphore | None = None  # the engine's capacity (main sets it)
 
 
 def prompt_ids(body: bytes) -> bytes:
@@ -71,7 +75,13 @@ async def respond(writer: asyncio.StreamWriter, path: str, body: bytes, generati
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             writer.write(b"%x\r\n%s\r\n" % (len(events[0]), events[0]))
             await writer.drain()
-        await asyncio.sleep(generation_s)
+        if batch is None:
+            await asyncio.sleep(generation_s)
+        else:
+            queued = asyncio.get_running_loop().time()
+            async with batch:
+                stats["queued_s"] += asyncio.get_running_loop().time() - queued
+                await asyncio.sleep(generation_s)
     finally:
         stats["in_flight"] -= 1
     stats["calls"] += 1
@@ -104,7 +114,9 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, gene
         writer.close()
 
 
-async def main(port: int, generation_s: float) -> None:
+async def main(port: int, generation_s: float, capacity: int | None = None) -> None:
+    global batch
+    batch = asyncio.Semaphore(capacity) if capacity else None
     server = await asyncio.start_server(lambda r, w: serve(r, w, generation_s), "127.0.0.1", port, backlog=4096,
                                         limit=2 ** 24)
     async with server:
@@ -112,4 +124,4 @@ async def main(port: int, generation_s: float) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+    asyncio.run(main(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None))

@@ -24,6 +24,22 @@ import time
 from collections.abc import Callable
 
 
+def overlap_warnings(args, groups_in_flight: int) -> list[str]:
+    """Where the slots given cannot all overlap generation with training (bench/pipeline.py measures both cases):
+    one step's groups leave nothing to generate while a step trains; more than max_staleness allows ahead are
+    not launched (they would sample only to be dropped)."""
+    step = args.groups_per_step * args.num_generations
+    if args.max_staleness > 0 and groups_in_flight == args.groups_per_step:
+        return [f"max_concurrent_rollouts {args.max_concurrent_rollouts} holds only one step's groups: no rollout "
+                f"generates while a step trains. Give it at least {2 * step} (two steps' rollouts) to overlap."]
+    if groups_in_flight > (args.max_staleness + 1) * args.groups_per_step:
+        return [f"max_concurrent_rollouts {args.max_concurrent_rollouts}: at most {(args.max_staleness + 1) * step} "
+                f"rollouts run at once, since a group launched further ahead would be more than max_staleness "
+                f"{args.max_staleness} versions old when it trains. Raise max_staleness to "
+                f"{groups_in_flight // args.groups_per_step - 1} to use them all."]
+    return []
+
+
 def sampled_tokens(records) -> int:
     """Completion tokens of every call the proxy captured for these rollouts (a cancelled one's too)."""
     return sum(call.get("completion_tokens") or 0 for record in records for call in record.calls)

@@ -66,7 +66,7 @@ from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
 from harness_trainer.training.policy_sync import PolicySync, check_backend
 from harness_trainer.training.protocols import EngineSync, TrainablePolicy
-from harness_trainer.training.timing import StepClock, sampled_tokens
+from harness_trainer.training.timing import StepClock, overlap_warnings, sampled_tokens
 from harness_trainer.training.trust_region import StabilityMonitor
 
 log = logging.getLogger("harness_trainer")
@@ -274,6 +274,8 @@ class HarnessAsyncGRPOTrainer:
     def _lead(self) -> list[dict]:
         args = self.args
         groups_in_flight = max(args.groups_per_step, args.max_concurrent_rollouts // args.num_generations)
+        for warning in overlap_warnings(args, groups_in_flight):
+            log.warning(warning)
         if args.vllm_server_base_url:
             # A cold sync: the engine serves exactly the trainer's weights before the first rollout (after a
             # resume it may still hold weights of a step that was never checkpointed).
@@ -331,7 +333,7 @@ class HarnessAsyncGRPOTrainer:
         tries = args.groups_per_step * (args.dynamic_sampling_max_tries if args.dynamic_sampling else 1)
         looked = 0
         while len(groups) < args.groups_per_step and looked < tries:
-            self._fill(pool, groups_in_flight, args.groups_per_step - len(groups))
+            self._fill(pool, groups_in_flight, args.groups_per_step - len(groups), looked)
             group, looked = pool.next(), looked + 1
             seconds += [r.seconds for r in group.records]
             # each rollout judged by the versions it would train on: a stale or cancelled one leaves its group,
@@ -352,9 +354,8 @@ class HarnessAsyncGRPOTrainer:
                 metrics["sampled_tokens"] += sampled_tokens(kept)
                 groups.append(kept)
                 tasks.append(group.task.name)
-        # Not launched here: the next step's groups before this one trains (one step off, 97-103 % of the ideal
-        # overlap in bench/pipeline.py) made every group one version stale where only one step's groups fit in
-        # flight, and the slow tier's learning test fell short (docs/benchmarks.md); more slots give that overlap.
+        # Overlap comes from the groups left in flight while this step trains (two steps' rollouts: the defaults'),
+        # not from launching the next step's here: that made every group a version stale (docs/benchmarks.md).
         if args.dynamic_sampling:
             metrics["groups_collected"] = looked
             if len(groups) < args.groups_per_step:
@@ -367,11 +368,16 @@ class HarnessAsyncGRPOTrainer:
         """Versions between the policy now and the oldest turn the rollout would train on (0 without turns)."""
         return self.version - min(record.policy_versions) if record.policy_versions else 0
 
-    def _fill(self, pool: RolloutPool, groups_in_flight: int, needed: int) -> None:
-        """Keep groups_in_flight groups in flight; the synchronous loop (max_staleness 0) launches only the `needed`
-        groups of the step being collected: one launched ahead would be one version old at the sync, and dropped."""
+    def _fill(self, pool: RolloutPool, groups_in_flight: int, needed: int, taken: int) -> None:
+        """Keep up to groups_in_flight groups in flight, but none that could not train within max_staleness: groups
+        are collected in launch order and each step syncs, so a group launched now, with `pending` groups before it
+        and `taken` collected this step, trains (pending + taken) // groups_per_step versions from now. One
+        launched further ahead would sample only to be dropped (half of all sampled tokens in bench/pipeline.py,
+        two steps' rollouts in flight at max_staleness 1). The synchronous loop (max_staleness 0) so launches
+        only the `needed` groups of the step being collected."""
         args = self.args
-        while len(pool.pending) < (groups_in_flight if args.max_staleness > 0 else needed):
+        in_time = (args.max_staleness + 1) * args.groups_per_step - taken
+        while len(pool.pending) < max(needed, min(groups_in_flight, in_time)):
             n, task = self.task_cursor, self._next_task()  # n: the group's number in the run, unique
             pool.launch(task, args.num_generations, f"s{self.step}-v{self.version}-{task.name}-n{n}", self.version)
 
