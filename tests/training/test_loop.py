@@ -7,7 +7,6 @@ on an event the test owns. The real parts end to end: tests/training/test_traine
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 
 import pytest
