@@ -4,12 +4,14 @@
 #   python:3.11-slim        Debian bookworm (minbase) with python3 (3.11), python, bash, coreutils
 #   harness-test/bare:12    the same without Python: an image holding neither Python nor Node
 #   harness-test/git:12     python:3.11-slim's Debian with git, WORKDIR /app (aider finds a task's files through git)
+#   harness-test/tmux:12    python:3.11-slim's Debian with tmux, WORKDIR /app (terminus-2 drives a tmux session; the
+#                           bugfix tasks' verifiers run python3)
 # An image already present under a name (a real one pulled elsewhere) is left as it is.
 set -euo pipefail
 STAMPS=${1:-.setup-stamps}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 have() { docker image inspect "$1" >/dev/null 2>&1; }
-if have python:3.11-slim && have harness-test/bare:12 && have harness-test/git:12; then
+if have python:3.11-slim && have harness-test/bare:12 && have harness-test/git:12 && have harness-test/tmux:12; then
   echo "setup: base images are present"; exit 0
 fi
 command -v debootstrap >/dev/null || { echo "debootstrap is missing: apt-get install debootstrap"; exit 1; }
@@ -26,6 +28,10 @@ if ! have python:3.11-slim || ! have harness-test/bare:12; then bootstrap python
 if ! have harness-test/git:12; then
   bootstrap python3,python-is-python3,git "$root/git"
   tar -C "$root/git" -c . | docker import -c 'CMD ["bash"]' -c 'ENV LANG=C.UTF-8' -c 'WORKDIR /app' - harness-test/git:12 >/dev/null
+fi
+if ! have harness-test/tmux:12; then
+  bootstrap python3,python-is-python3,tmux "$root/tmux"
+  tar -C "$root/tmux" -c . | docker import -c 'CMD ["bash"]' -c 'ENV LANG=C.UTF-8' -c 'WORKDIR /app' - harness-test/tmux:12 >/dev/null
 fi
 have python:3.11-slim || tar -C "$root/base" -c . | docker import -c 'CMD ["python3"]' -c 'ENV LANG=C.UTF-8' - python:3.11-slim >/dev/null
 have harness-test/bare:12 || tar -C "$root/base" --exclude='./usr/lib/python3*' --exclude='./usr/bin/python*' \

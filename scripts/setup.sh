@@ -19,7 +19,9 @@
 #   docker        Debian's docker.io, docker-compose + debootstrap (apt, as root), its daemon started when none
 #                 runs, and the local base images the container tests' Dockerfiles name (scripts/base_images.sh: no registry
 #                 is reachable, so they are made from Debian's packages)
-#   .venv-harbor  only with HARBOR=1: the harbor package (Python >= 3.12) for --sandbox harbor[:ENV]
+#   .venv-harbor  the harbor package on Python 3.12 (a pyenv one will do): terminus-2 and --sandbox harbor[:ENV];
+#                 skipped with a message where no Python 3.12 is (HARBOR=0 skips it, HARBOR=1 fails without one)
+#   tmux          Debian's tmux (apt, as root) where none is: terminus-2 drives one in a bubblewrap trial
 #   bench         only with BENCH=1 (`make bench`): Debian's nginx-light and wrk, py-spy in .venv (bench/wrk.py)
 #
 # HARNESS_SETUP_ONLY="engine trainer proxy opencode" sets up only the steps named (a Jobs run: the engine, the
@@ -69,7 +71,7 @@ wanted() { [ -z "${HARNESS_SETUP_ONLY:-}" ] || [[ " $HARNESS_SETUP_ONLY " == *" 
 # What each step installs: a stamp whose install is gone (a deleted .venv) is not "up to date".
 declare -A INSTALLS=([engine]=.venv-engine/bin/python [trainer]=.venv/bin/python [proxy]=.venv-proxy/bin/python
   [mini-swe-agent]=.venv-mini/bin/python [aider]=.tools/aider/bin/aider [opencode]=.tools/opencode [claude-code]=.tools/claude-code
-  [codex]=.tools/codex [node]=.tools/node/bin/node
+  [codex]=.tools/codex [node]=.tools/node/bin/node [harbor]=.venv-harbor/bin/python
   [gemini-cli]=.tools/gemini-cli/node_modules [qwen-code]=.tools/qwen-code/node_modules [cline]=.tools/cline)
 
 # run_step NAME KEY COMMAND...: runs COMMAND unless the stamp for NAME already holds KEY and what it installed is
@@ -212,14 +214,25 @@ if command -v npm >/dev/null 2>&1 || ! { wanted opencode || wanted claude-code |
 else
   echo "setup: skipping $NPM_AGENTS: npm is not installed (install Node.js 20+ to use them)" >&2
 fi
-install_harbor() {  # on request (HARBOR=1): harbor needs Python >= 3.12, so it gets its own environment
-  local py
-  py=$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1) || true
-  [ -n "$py" ] || { echo "no Python 3.12 found (install it, e.g. pyenv install 3.12)"; return 1; }
-  rm -rf .venv-harbor && "$py" -m venv .venv-harbor && .venv-harbor/bin/pip install "harbor==$HARBOR_VERSION"
-  .venv-harbor/bin/python -c 'import harbor.environments.factory'
+python312() {  # the first Python 3.12 that runs: a pyenv shim is on PATH even where its version is not selected
+  local c
+  for c in $(command -v python3.12) "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    if [ -x "$c" ] && "$c" -c 'import venv' 2>/dev/null; then echo "$c"; return 0; fi
+  done
+  return 1
 }
-if [ "${HARBOR:-0}" = 1 ]; then run_step harbor "$HARBOR_VERSION" install_harbor; fi
+install_harbor() {  # harbor needs Python >= 3.12, so it gets its own environment
+  local py
+  py=$(python312) || { echo "no Python 3.12 found (install it, e.g. pyenv install 3.12)"; return 1; }
+  rm -rf .venv-harbor && "$py" -m venv .venv-harbor && .venv-harbor/bin/pip install "harbor==$HARBOR_VERSION"
+  .venv-harbor/bin/python -c 'import harbor.environments.factory, harbor.agents.terminus_2'
+}
+# terminus-2 and --sandbox harbor: by default where a Python 3.12 is (HARBOR=1 insists, HARBOR=0 skips)
+if [ "${HARBOR:-}" = 1 ] || { [ "${HARBOR:-}" != 0 ] && python312 >/dev/null; }; then
+  run_step harbor "$HARBOR_VERSION" install_harbor
+elif [ "${HARBOR:-}" != 0 ]; then
+  wanted harbor && echo "setup: skipping Harbor (terminus-2, --sandbox harbor): no Python 3.12 (e.g. pyenv install 3.12)" >&2
+fi
 install_bench() {  # on request (BENCH=1, `make bench`): a load generator and an upstream that are not measured
   if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install nginx-light wrk yourself"; return 1; fi
   apt-get install -y --no-install-recommends nginx-light wrk ||
@@ -230,6 +243,12 @@ install_bench() {  # on request (BENCH=1, `make bench`): a load generator and an
 if [ "${BENCH:-0}" = 1 ]; then run_step bench "$PY_SPY_VERSION" install_bench; fi
 if command -v bwrap >/dev/null 2>&1; then wanted bubblewrap && echo "setup: bubblewrap is present"
 else run_step bubblewrap "apt" install_bwrap; fi
+install_tmux() {
+  if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install tmux yourself"; return 1; fi
+  (apt-get install -y tmux || { apt-get update && apt-get install -y tmux; })
+}
+if command -v tmux >/dev/null 2>&1; then wanted tmux && echo "setup: tmux is present"
+else run_step tmux "apt" install_tmux; fi
 install_cc() {  # each trial's forwarder is compiled once (agents/forwarder.c); without cc it is a Python process
   if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install gcc libc6-dev yourself"; return 1; fi
   (apt-get install -y gcc libc6-dev || { apt-get update && apt-get install -y gcc libc6-dev; })

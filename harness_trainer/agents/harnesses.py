@@ -19,6 +19,7 @@ from harness_trainer.agents.codex import Codex
 from harness_trainer.agents.gemini_cli import GeminiCli
 from harness_trainer.agents.qwen_code import QwenCode
 from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.terminus import Terminus2
 
 __all__ = ["HarnessError", "AgentReport", "AgentRun", "Harness", "make_harness"]
 
@@ -221,6 +222,7 @@ HARNESSES: dict[str, Callable[[str | None, str | None], Harness]] = {
     "gemini-cli": lambda command, config: GeminiCli(config),
     "qwen-code": lambda command, config: QwenCode(config),
     "aider": lambda command, config: Aider(),
+    "terminus-2": lambda command, config: Terminus2(),
     "command": _command,
 }
 CONFIGURED = ("mini-swe-agent", "opencode", "claude-code", "gemini-cli", "qwen-code")
@@ -228,6 +230,8 @@ CONFIGURED = ("mini-swe-agent", "opencode", "claude-code", "gemini-cli", "qwen-c
 READ_BEFORE_EDIT = ("qwen-code",)
 # the ones with no tools, whose model edits files in the agent's own format (the oracle writes those edits)
 FILE_EDITS = ("aider",)
+# the ones with no tools whose model answers in the agent's own JSON of keystrokes (the oracle types the solution)
+KEYSTROKES = ("terminus-2",)
 
 
 def make_harness(name: str, command: str | None = None, config: str | None = None) -> Harness:

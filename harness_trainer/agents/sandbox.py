@@ -63,9 +63,12 @@ def agent_program_paths() -> list[Path]:
     """Read-only paths an agent program needs inside the jail: the Python install behind the project's
     virtual environments, and the agents' own environments."""
     paths = {Path(sys.base_prefix).resolve()}
-    for name in (".venv-mini", ".tools"):
+    for name in (".venv-mini", ".tools", ".venv-harbor"):
         if (REPO_ROOT / name).exists():
             paths.add((REPO_ROOT / name).resolve())
+    harbor = REPO_ROOT / ".venv-harbor" / "bin" / "python"  # terminus-2's: Harbor needs Python 3.12, its own install
+    if harbor.exists():
+        paths.add(harbor.resolve().parents[1])
     return sorted(paths)
 
 

@@ -6,7 +6,8 @@ harness's submit command.
 An agent whose own tools refuse to edit a file this session has not read (qwen-code's shell turns a plain `sed -i`
 into its edit tool, which does) is answered as a careful solver in it works: `pwd`, then its `read_file` on the file's
 absolute path, then the edit (`read_before_edit`). An agent with no tools whose model writes files in the agent's
-own format (aider) gets the solution as those file edits (`file_edits`, oracle_edits.py).
+own format (aider) gets the solution as those file edits (`file_edits`, oracle_edits.py); one whose model types
+into a terminal (terminus-2) gets it as keystrokes in the agent's JSON (`keystrokes`, oracle_keystrokes.py).
 
 It sits where vLLM would, behind the same capture proxy, so the pipeline (agent, proxy, sandbox, verifier,
 traces) is exercised without a capable model, and its traces are solver demonstrations for SFT. Token ids
@@ -33,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from harness_trainer.rollouts import oracle_edits as edits
+from harness_trainer.rollouts.oracle_keystrokes import keystrokes_answer
 from harness_trainer.rollouts.tasks import Task
 from harness_trainer.rollouts.verifier import SOLUTION_EXIT, SOLUTION_LOG
 from harness_trainer.serving.process import free_port
@@ -132,9 +134,9 @@ class OracleUpstream:
     """Runs in a thread of the calling process (uvicorn); `url` is its base URL."""
 
     def __init__(self, engine_url: str, tasks: list[Task], model: str = "tiny", mistake_rate: float = 0.0,
-                 read_before_edit: bool = False, file_edits: bool = False):
+                 read_before_edit: bool = False, file_edits: bool = False, keystrokes: bool = False):
         self.engine = engine_url.rstrip("/")
-        self.read_before_edit, self.file_edits = read_before_edit, file_edits
+        self.read_before_edit, self.file_edits, self.keystrokes = read_before_edit, file_edits, keystrokes
         self.model = model
         self.mistake_rate = mistake_rate
         self._attempts: dict[str, int] = {}  # per task command: attempts answered so far
@@ -186,6 +188,10 @@ class OracleUpstream:
             return {"role": "assistant", "content": edits.edit_answer(messages, instruction,
                                                                       self.solutions[instruction])
                     if instruction else "I do not know this task."}
+        if self.keystrokes and not tools:
+            steps = self._task_steps(messages)
+            return {"role": "assistant", "content": keystrokes_answer(messages, steps, self._slips, plausible_mistake)
+                    if steps else "I do not know this task."}
         if shell is None:
             return {"role": "assistant", "content": "Solve the task"}  # a title or summary call
         steps = self._task_steps(messages)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from harness_trainer.agents.harnesses import FILE_EDITS, READ_BEFORE_EDIT
+from harness_trainer.agents.harnesses import FILE_EDITS, KEYSTROKES, READ_BEFORE_EDIT
 from harness_trainer.models.hub import ModelRef
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
 from harness_trainer.rollouts.config import RolloutConfig
@@ -99,7 +99,8 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
             upstream = stack.enter_context(OracleUpstream(engine.url, oracle_tasks, model=engine.model_name,
                                                           mistake_rate=oracle_mistake_rate,
                                                           read_before_edit=cfg.harness in READ_BEFORE_EDIT,
-                                                          file_edits=cfg.harness in FILE_EDITS)).url
+                                                          file_edits=cfg.harness in FILE_EDITS,
+                                                          keystrokes=cfg.harness in KEYSTROKES)).url
         host = "0.0.0.0" if cfg.public_url else "127.0.0.1"  # remote sandboxes reach it from outside
         proxy = stack.enter_context(ProxyServer(upstream, model=engine.model_name, port=cfg.proxy_port, host=host,
                                                 journal=out / "journal", log_path=out / "proxy.log"))

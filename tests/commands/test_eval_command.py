@@ -123,9 +123,9 @@ def test_tiny_model_rollouts_yield_valid_traces_and_verifier_rewards(engine, tok
         assert offered == ({"bash"} if mode == "compact" else {"bash", "edit", "write", "webfetch", "read"}), offered
 
 
-def _aider_tasks(folder, image: str | None):
+def _toy_and_bugfix_tasks(folder, image: str | None):
     """One toy and one bugfix task, in an image built from `image` when given (aider finds a task's files through
-    git): the task's files copied into it, as a Harbor task's Dockerfile does."""
+    git, terminus-2 drives tmux): the task's files copied into it, as a Harbor task's Dockerfile does."""
     import shutil
 
     from harness_trainer.rollouts.builtin import builtin_dataset
@@ -146,7 +146,7 @@ def test_aider_with_the_oracle_solves_toy_and_bugfix_tasks_by_writing_files(engi
     In containers: an image with git wins both; one without (python:3.11-slim) is refused, saying why."""
     from harness_trainer.training.packing import chains_from_trace
 
-    dataset = _aider_tasks(tmp_path / "tasks", "harness-test/git:12" if sandbox == "docker" else None)
+    dataset = _toy_and_bugfix_tasks(tmp_path / "tasks", "harness-test/git:12" if sandbox == "docker" else None)
     summary, records = evaluate(EvalConfig(harness="aider", dataset=str(dataset), vllm_url=engine.url, policy="oracle",
                                            sandbox=sandbox, max_concurrent_rollouts=2, output_dir=str(tmp_path / "e")))
     assert summary.wins == summary.rollouts == 2, [(r.task, r.status, r.reason) for r in records]
@@ -156,7 +156,31 @@ def test_aider_with_the_oracle_solves_toy_and_bugfix_tasks_by_writing_files(engi
     trace = next(t for t in read_traces(tmp_path / "e/traces.jsonl") if len(t.turns) == 2)
     assert len(chains_from_trace(trace, 0)) == 2 and all(t.metadata["dialect"] == "chat" for t in trace.turns)
     if sandbox == "docker":
-        plain = _aider_tasks(tmp_path / "plain", None)
+        plain = _toy_and_bugfix_tasks(tmp_path / "plain", None)
         summary, records = evaluate(EvalConfig(harness="aider", dataset=str(plain), limit=1, vllm_url=engine.url,
                                                policy="oracle", sandbox="docker", output_dir=str(tmp_path / "p")))
         assert summary.unscorable == 1 and "aider needs git in the image" in records[0].reason, records[0].reason
+
+
+@pytest.mark.parametrize("sandbox", ["local", pytest.param("docker", marks=pytest.mark.slow)])
+def test_terminus_with_the_oracle_types_the_solution_into_its_terminal(engine, tmp_path, sandbox):
+    """Harbor's terminus-2, its own class in the sandbox: no tools, the oracle's answers are its JSON of keystrokes
+    (history expansion off, the solution, then the task marked complete and confirmed), typed into a tmux session,
+    scored by each task's verifier; each rollout is one chain (one growing user/assistant conversation). In
+    containers: an image with tmux wins both; one without (python:3.11-slim) is refused, saying why."""
+    from harness_trainer.training.packing import chains_from_trace
+
+    dataset = _toy_and_bugfix_tasks(tmp_path / "tasks", "harness-test/tmux:12" if sandbox == "docker" else None)
+    summary, records = evaluate(EvalConfig(harness="terminus-2", dataset=str(dataset), vllm_url=engine.url,
+                                           policy="oracle", sandbox=sandbox, max_concurrent_rollouts=2,
+                                           output_dir=str(tmp_path / "e")))
+    assert summary.wins == summary.rollouts == 2, [(r.task, r.status, r.reason) for r in records]
+    assert all(r.outcome.tool_calls_by_name == {"bash_command": 2, "mark_task_complete": 2} for r in records)
+    traces = read_traces(tmp_path / "e/traces.jsonl")
+    assert len(traces) == 2 and all(len(t.turns) == 4 and len(chains_from_trace(t, 0)) == 1 for t in traces)
+    assert all(t.metadata["dialect"] == "chat" for trace in traces for t in trace.turns)
+    if sandbox == "docker":
+        plain = _toy_and_bugfix_tasks(tmp_path / "plain", "python:3.11-slim")
+        summary, records = evaluate(EvalConfig(harness="terminus-2", dataset=str(plain), limit=1, vllm_url=engine.url,
+                                               policy="oracle", sandbox="docker", output_dir=str(tmp_path / "p")))
+        assert summary.unscorable == 1 and "terminus-2 needs tmux in the image" in records[0].reason, records[0].reason

@@ -142,7 +142,7 @@ def _occupied_port():
 @pytest.mark.parametrize("flags, says", [
     (["--harness", "crush"],
      "unknown harness 'crush': choose mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code, "
-     "aider or command"),
+     "aider, terminus-2 or command"),
     (["--dataset", "builtin:nope"], "no builtin dataset 'nope'"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--vllm-url", "http://127.0.0.1:9"], "no healthy vLLM server at http://127.0.0.1:9"),
@@ -366,7 +366,8 @@ def test_sft_without_traces_is_a_clear_error(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("harness", [["opencode"], ["claude-code", "--agent-config", "bare"], ["codex"],
                                      ["gemini-cli", "--agent-config", "compact"],
-                                     ["qwen-code", "--agent-config", "compact"], ["cline"], ["aider"]],
+                                     ["qwen-code", "--agent-config", "compact"], ["cline"], ["aider"],
+                                     ["terminus-2"]],
                          ids=lambda h: h[0])
 def test_installed_agents_train_two_steps_on_the_toy_set(tmp_path, harness):
     out = tmp_path / "run"

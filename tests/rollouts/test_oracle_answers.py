@@ -72,3 +72,28 @@ def test_an_agent_without_tools_gets_the_solution_as_file_edits_in_its_format():
 def test_a_solution_that_is_not_only_file_edits_is_refused_for_an_agent_without_tools():
     with pytest.raises(TaskError, match="not so: logs-errors. Run those tasks through an agent with a shell tool"):
         OracleUpstream("http://127.0.0.1:9", load_dataset("builtin:logs"), file_edits=True)
+
+
+def test_a_terminal_agent_gets_keystrokes_waits_for_the_prompt_then_confirms_completion():
+    """terminus-2 (no tools; the model answers in its JSON of keystrokes): history expansion off, then the solution
+    typed; while the pane shows no prompt after it the oracle waits; then task_complete, and again when asked."""
+    (toy,) = load_dataset("builtin:toy-heldout")[:1]
+    oracle = OracleUpstream("http://127.0.0.1:9", [toy], keystrokes=True)
+    (solution,) = oracle.solutions[toy.instruction]
+    messages = [{"role": "user", "content": f"Task Description:\n{toy.instruction}\n\nCurrent terminal state:\n$ "}]
+
+    def next_answer(shown: str) -> dict:
+        answer = json.loads(oracle.answer({"messages": messages})["content"])
+        messages.extend([{"role": "assistant", "content": json.dumps(answer)}, {"role": "user", "content": shown}])
+        return answer
+
+    assert next_answer("New Terminal Output:\nroot@host:/app# set +H\nroot@host:/app#\n\n")["commands"] == [
+        {"keystrokes": "set +H\n", "duration": 1.0}]
+    typed = next_answer("New Terminal Output:\nroot@host:/app# " + solution + "\n")  # still running: no prompt
+    assert typed["commands"][0]["keystrokes"] == solution + "\n" and not typed["task_complete"]
+    wait = next_answer("New Terminal Output:\nroot@host:/app#\n\n")
+    assert wait["commands"] == [{"keystrokes": "", "duration": 5.0}] and not wait["task_complete"]
+    done = next_answer("Current terminal state:\nroot@host:/app#\n\nAre you sure you want to mark the task as "
+                       "complete? ...")
+    assert done["task_complete"] and done["commands"] == []
+    assert next_answer("root@host:/app#")["task_complete"]  # confirmed
