@@ -58,12 +58,30 @@ static int step(struct leg *leg, short revents_from, short revents_to) {
     return 0;
 }
 
+/* What the agent gets when the next hop cannot be reached: a 502 in the OpenAI error shape, which agents retry or
+ * report as an API failure (a connection closed without a word reads as the model saying nothing). */
+static void refuse(int client, const char *why) {
+    char body[512], head[160];
+    int n = snprintf(body, sizeof body, "{\"error\": {\"message\": \"the trial's forwarder could not reach the "
+                     "capture proxy: %s\", \"type\": \"forwarder_error\", \"code\": 502}}", why);
+    int h = snprintf(head, sizeof head, "HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\n"
+                     "content-length: %d\r\nconnection: close\r\n\r\n", n);
+    if (write(client, head, (size_t)h) != h || write(client, body, (size_t)n) != n || shutdown(client, SHUT_WR))
+        return;
+    /* the request read to its end (or 5 s): closed unread, the connection would be reset under the answer */
+    struct pollfd in = {client, POLLIN, 0};
+    while (poll(&in, 1, 5000) > 0 && read(client, body, sizeof body) > 0)
+        continue;
+}
+
 static void relay(int client, const char *path) {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     int upstream = socket(AF_UNIX, SOCK_STREAM, 0);
     strncpy(addr.sun_path, path, sizeof addr.sun_path - 1);
-    if (upstream < 0 || connect(upstream, (struct sockaddr *)&addr, sizeof addr) < 0)
+    if (upstream < 0 || connect(upstream, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        refuse(client, strerror(errno));
         _exit(0);
+    }
     fcntl(client, F_SETFL, O_NONBLOCK);
     fcntl(upstream, F_SETFL, O_NONBLOCK);
     static struct leg out, back;  /* static: 128 KB off the stack */
@@ -144,10 +162,16 @@ int main(int argc, char **argv) {
         if (client < 0)
             continue;
         pid_t child = fork();
+        for (int tries = 0; child < 0 && errno == EAGAIN && tries < 5; tries++) {  /* a moment short of processes */
+            usleep(20000u << tries);
+            child = fork();
+        }
         if (child == 0) {
             close(listener);
             relay(client, path);
         }
+        if (child < 0)
+            refuse(client, strerror(errno));
         close(client);
     }
 }

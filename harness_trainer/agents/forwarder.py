@@ -48,11 +48,28 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
                 pass
 
 
+def refusal(why: str) -> bytes:
+    """What the agent gets when the next hop cannot be reached: a 502 in the OpenAI error shape, which agents
+    retry or report as an API failure (a connection closed without a word reads as the model saying nothing)."""
+    body = ('{"error": {"message": "the trial\'s forwarder could not reach the capture proxy: %s", '
+            '"type": "forwarder_error", "code": 502}}' % why.replace('"', "'")).encode()
+    return (b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (len(body), body))
+
+
 def _splice(client: socket.socket, connect) -> None:
     """Both directions between `client` and a new connection from `connect()`; closes both when done."""
     try:
         upstream = connect()
-    except OSError:
+    except OSError as exc:
+        try:
+            client.sendall(refusal(exc.strerror or str(exc)))
+            client.shutdown(socket.SHUT_WR)
+            client.settimeout(5)  # the request read to its end (or 5 s): closed unread, it would be reset
+            while client.recv(CHUNK):
+                pass
+        except OSError:
+            pass
         client.close()
         return
     back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)

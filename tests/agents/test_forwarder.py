@@ -197,3 +197,24 @@ def test_a_client_gone_for_good_ends_its_relay_without_waiting_for_the_upstream(
         proc.kill()
         proc.wait()
         silent.close()
+
+
+def test_a_proxy_out_of_reach_is_answered_with_a_502_that_says_so(half, tmp_path):
+    """Nothing listens on the bridge's socket (the bridge gone, its backlog refusing): the agent's call is answered,
+    not dropped, with a 502 in the OpenAI error shape that agents retry or report as an API failure. A connection
+    closed without a word would read as the model saying nothing, and the rollout be scored as it stood."""
+    port, watched = free_port(), subprocess.Popen(["sleep", "3600"])
+    relay = subprocess.Popen([*half, "--port", str(port), "--socket", str(tmp_path / "none.sock"), "--watch",
+                              str(watched.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout.readline().strip() == "listening"
+        answer = _roundtrip(port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 502 ") and b"content-length: %d" % len(body) in head
+        error = __import__("json").loads(body)["error"]
+        assert error["message"].startswith("the trial's forwarder could not reach the capture proxy: ")
+        assert "No such file or directory" in error["message"] and error["code"] == 502
+    finally:
+        watched.kill()
+        watched.wait()
+        relay.wait(timeout=60)
