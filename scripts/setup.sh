@@ -225,7 +225,7 @@ install_harbor() {  # harbor needs Python >= 3.12, so it gets its own environmen
   local py
   py=$(python312) || { echo "no Python 3.12 found (install it, e.g. pyenv install 3.12)"; return 1; }
   rm -rf .venv-harbor && "$py" -m venv .venv-harbor && .venv-harbor/bin/pip install "harbor==$HARBOR_VERSION"
-  .venv-harbor/bin/python -c 'import harbor.environments.factory, harbor.agents.terminus_2'
+  LITELLM_LOCAL_MODEL_COST_MAP=True .venv-harbor/bin/python -c 'import harbor.environments.factory, harbor.agents.terminus_2'
 }
 # terminus-2 and --sandbox harbor: by default where a Python 3.12 is (HARBOR=1 insists, HARBOR=0 skips)
 if [ "${HARBOR:-}" = 1 ] || { [ "${HARBOR:-}" != 0 ] && python312 >/dev/null; }; then
