@@ -110,6 +110,12 @@ class StabilityMonitor:
     def check(self, metrics: dict) -> list[str]:
         warnings = [w for w in (self._jump("entropy", metrics.get("entropy"), self.entropy_floor),
                                 self._jump("behaviour_kl_k3", metrics.get("behaviour_kl_k3"), self.kl_floor)) if w]
+        if (cut := metrics.get("is_truncated_frac") or 0.0) > 0.5:
+            warnings.append(f"{cut:.0%} of the step's trained tokens had their importance weight cut or masked "
+                            "(vllm_importance_sampling_mode, _clip_max): the engine's logprobs and the trainer's "
+                            "disagree on them (see behaviour_kl). Under sequence_* a rollout's weight is the product "
+                            "over all its tokens, so long rollouts from a lower-precision engine are masked whole; "
+                            "token_truncate weighs each token alone")
         top = metrics.get("reward_max") if metrics.get("scorable") else None
         if top is not None and top <= 0 and self.best_reward is not None and self.best_reward > top:
             warnings.append(f"every rollout of this step scored {top:g} (earlier steps reached {self.best_reward:g}): "

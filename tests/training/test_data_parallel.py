@@ -32,8 +32,11 @@ STEP = textwrap.dedent("""
     records = [RolloutRecord("t", f"e{i}", HarnessRolloutOutcome(reward, [], [], 0, 0, {}, False), "ok",
                              training_trace={"turns": turns}, policy_versions=[0])
                for i, (turns, reward) in enumerate(zip(traces, [1.0, 0.0, 0.5]))]
+    # token-level IS: the made-up sampler logprobs (-2.0) are far from the model's, and the default's sequence-level
+    # weight (their product over a rollout) would mask every rollout, leaving only the KL term to compare
     trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: None, AsyncGRPOConfig(
-        output_dir=out + "/run", learning_rate=1e-2, beta=0.1), [Task.__new__(Task)])
+        output_dir=out + "/run", learning_rate=1e-2, beta=0.1, vllm_importance_sampling_mode="token_truncate"),
+        [Task.__new__(Task)])
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     metrics = trainer.policy.step(trainer.score([records]), 0)
     metrics["moved"] = max(float((v - before[k]).abs().max()) for k, v in trainer.model.state_dict().items())

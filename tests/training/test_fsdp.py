@@ -33,9 +33,12 @@ RUN = textwrap.dedent("""
         return traces[i], [1.0, 0.0, 0.5][i]
     class Task:
         name, agent_timeout_s = "t", 60.0
-    # the real loop on every rank: rank 0 collects the scripted groups and hands them over, the others follow
+    # the real loop on every rank: rank 0 collects the scripted groups and hands them over, the others follow.
+    # Token-level IS: a sequence-level weight over the made-up sampler logprobs (-2.0) would mask every rollout,
+    # leaving gradients that are 0 up to rounding (Adam's sign step turns those into differences of 2 lr)
     trainer = HarnessAsyncGRPOTrainer(model, ScriptedSessions(rollout), AsyncGRPOConfig(
         output_dir=out, learning_rate=1e-2, beta=0.1, distributed=distributed, save_steps=1, max_steps=2,
+        vllm_importance_sampling_mode="token_truncate",
         num_generations=3, max_concurrent_rollouts=3,
         resume_from_checkpoint=out + "/checkpoint-1" if resume else None), [Task()])
     metrics = trainer.train()

@@ -33,6 +33,15 @@ def test_kl_jump_and_all_zero_step_warn():
     assert StabilityMonitor().check({"scorable": 8, "reward_max": 0.0}) == []
 
 
+def test_a_step_whose_importance_weights_are_mostly_cut_warns():
+    """Most trained tokens with their IS weight at the bound or masked (a sequence-level weight over long rollouts
+    from a lower-precision engine): the step says so; a few cut tokens do not."""
+    monitor = StabilityMonitor()
+    assert monitor.check({"is_truncated_frac": 0.1}) == []
+    (warning,) = monitor.check({"is_truncated_frac": 0.8})
+    assert warning.startswith("80% of the step's trained tokens had their importance weight cut or masked")
+
+
 def _trainer(model_dir, tmp_path, **fields) -> HarnessAsyncGRPOTrainer:
     return HarnessAsyncGRPOTrainer(str(model_dir), lambda sampling: None, AsyncGRPOConfig(
         output_dir=str(tmp_path / "run"), **fields), [Task.__new__(Task)])
