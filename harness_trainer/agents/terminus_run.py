@@ -5,7 +5,8 @@ that environment is this sandbox itself (`HereEnvironment`: each exec a local `b
 every sandbox of ours and its model calls leave through the trial's one road out, the capture proxy.
 
     python terminus_run.py        (everything from the environment: HARNESS_TASK, HARNESS_BASE_URL, HARNESS_MODEL,
-                                   HARNESS_MAX_TURNS, HARNESS_CONTEXT, OPENAI_API_KEY; writes /logs/agent)
+                                   HARNESS_MAX_TURNS, OPENAI_API_KEY; writes /logs/agent, or HARNESS_LOGS where
+                                   it runs outside a trial, as the recorded runs in tests/agents were made)
 
 Exit 0 when the agent ended on its own (done, or out of turns), 1 when it raised (its error in
 /logs/agent/result.json), 127 when the sandbox has no tmux (terminus-2 drives one; Harbor installs it with the
@@ -22,6 +23,7 @@ import traceback
 from pathlib import Path
 
 LOGS = Path(os.environ.get("HARNESS_LOGS", "/logs/agent"))
+CONTEXT = 32768  # the context terminus-2 is told the model has: its summarization starts 8,000 tokens short of it
 
 
 def here_environment():
@@ -82,12 +84,11 @@ async def run() -> dict:
     from harbor.agents.terminus_2 import Terminus2
     from harbor.models.agent.context import AgentContext
 
-    context = int(os.environ.get("HARNESS_CONTEXT", "32768"))
     agent = Terminus2(
         logs_dir=LOGS, model_name=f"openai/{os.environ['HARNESS_MODEL']}", api_base=os.environ["HARNESS_BASE_URL"],
         max_turns=int(os.environ.get("HARNESS_MAX_TURNS", "30")), suppress_max_turns_warning=True,
         record_terminal_session=False,  # asciinema is not in the image and cannot be installed offline
-        model_info={"max_input_tokens": context, "max_output_tokens": context, "input_cost_per_token": 0.0,
+        model_info={"max_input_tokens": CONTEXT, "max_output_tokens": CONTEXT, "input_cost_per_token": 0.0,
                     "output_cost_per_token": 0.0})
     environment = here_environment()
     await agent.setup(environment)
