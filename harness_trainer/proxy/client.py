@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import ssl
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import httpx
 
 from harness_trainer import fastjson
 from harness_trainer._exceptions import CaptureNotTrainable, ProcessError, ProxyError
-from harness_trainer.serving.process import ManagedProcess, free_port
+from harness_trainer.serving.process import ManagedProcess, clear_folder, free_port, server_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,8 +117,8 @@ class ProxyServer:
         self.host = host
         self.admin_key = admin_key or secrets.token_urlsafe(24)
         self.url = f"http://{host}:{self.port}"
-        tmp = self._tmp = Path(tempfile.mkdtemp(prefix="harness-proxy-"))
-        self.confdir = Path(confdir) if confdir else tmp / "conf"
+        tmp = self._tmp = server_folder("proxy")
+        self.confdir = Path(confdir) if confdir else tmp / "scratch" / "conf"
         upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
         command = [proxy_python(), "-m", "harness_trainer.proxy.server",
                    *(arg for url in upstreams for arg in ("--upstream", url)),
@@ -147,9 +145,7 @@ class ProxyServer:
     def stop(self) -> None:
         """Stop it and remove its own folder: the CA's private key goes; a log kept there stays for post-mortems."""
         self.managed.stop()
-        shutil.rmtree(self._tmp / "conf", ignore_errors=True)
-        if not (self._tmp / "proxy.log").exists():
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        clear_folder(self._tmp)
 
     def kill(self) -> None:
         """SIGKILL without warning (for crash tests)."""

@@ -6,6 +6,7 @@ as a subprocess and speaks HTTP to it, so the trainer never imports vllm.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from harness_trainer._exceptions import EngineError
 from harness_trainer.models.formats import ModelFormats, detect_formats, ties_embeddings
 from harness_trainer.models.hub import check_model_dir, served_name
 from harness_trainer.models.untie import untied_copy
-from harness_trainer.serving.process import ManagedProcess, free_port
+from harness_trainer.serving.process import ManagedProcess, clear_folder, free_port, server_folder
 from harness_trainer.serving.sync_steps import IPC, NCCL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -108,15 +109,25 @@ def server_command(cfg: EngineConfig, gpu: bool, served_from: Path | None = None
     return cmd + list(cfg.extra_args)
 
 
-def server_env(cfg: EngineConfig, tmp: Path) -> dict[str, str]:
-    """vLLM's environment; its compile cache and its ZMQ sockets go under tmp, which stop() clears (vLLM would
-    leave one socket file per process in the system's temp folder at every kill)."""
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+        return str(os.getuid())
+
+
+def server_env(cfg: EngineConfig, scratch: Path) -> dict[str, str]:
+    """vLLM's environment; its compile cache, its ZMQ sockets and its temp files go under scratch, which stop()
+    clears (vLLM would leave a socket file per process in the system's temp folder at every kill, and a
+    vllm_dist_* file at every start). Torch's kernel cache stays where it was: it is worth keeping across runs."""
     env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"))
     env.update({
+        "TMPDIR": str(scratch),
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /reset_prefix_cache, /pause, weight-version routes
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(tmp / "cache"),
-        "VLLM_RPC_BASE_PATH": str(tmp / "rpc"),
+        "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "VLLM_RPC_BASE_PATH": str(scratch / "rpc"),
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
     })
@@ -142,7 +153,7 @@ class VLLMServer:
         self.cfg = cfg
         self.url = url.rstrip("/") if url else ""
         self.managed: ManagedProcess | None = None
-        self._tmp: str | None = None
+        self.folder: Path | None = None
 
     @classmethod
     def attach(cls, url: str, timeout_s: float = 10.0) -> VLLMServer:
@@ -175,13 +186,13 @@ class VLLMServer:
         gpu = gpu_available() if cfg.gpu is None else cfg.gpu
         if cfg.port == 0:
             cfg.port = free_port()
-        self._tmp = tempfile.mkdtemp(prefix="harness-vllm-")
-        (Path(self._tmp) / "rpc").mkdir()
+        self.folder = server_folder("vllm")
+        (self.folder / "scratch" / "rpc").mkdir()
         if cfg.log_path is None:
-            cfg.log_path = Path(self._tmp) / "vllm.log"
+            cfg.log_path = self.folder / "vllm.log"
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.managed = ManagedProcess(
-            "vLLM", server_command(cfg, gpu, self.served_from), env=server_env(cfg, Path(self._tmp)),
+            "vLLM", server_command(cfg, gpu, self.served_from), env=server_env(cfg, self.folder / "scratch"),
             log_path=Path(cfg.log_path), health_url=f"{self.url}/health", error=EngineError,
             start_hint="On 2 CPU cores a cold start takes about a minute; raise the start-up timeout if the log "
                        "shows progress.")
@@ -194,9 +205,8 @@ class VLLMServer:
     def stop(self) -> None:
         if self.managed:
             self.managed.stop()
-        if self._tmp:  # the compile cache and sockets; the log stays for post-mortems
-            for part in ("cache", "rpc"):
-                shutil.rmtree(Path(self._tmp) / part, ignore_errors=True)
+        if self.folder:  # the compile cache and sockets; the log stays for post-mortems
+            clear_folder(self.folder)
 
     def __enter__(self) -> VLLMServer:
         return self if self.process or not self.cfg else self.start()

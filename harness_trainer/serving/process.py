@@ -5,10 +5,12 @@ killer — the group is stopped for us. The engine (vLLM) and the capture proxy 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,6 +71,39 @@ def kill_group(leader: subprocess.Popen, timeout_s: float = 10.0) -> None:
         leader.poll()
         time.sleep(0.05)
     raise ProcessError(f"process group {leader.pid} survived SIGKILL for {timeout_s} s")
+
+
+def server_folder(kind: str) -> Path:
+    """A server's own folder, <temp>/harness-KIND-PID-*: what it writes and nobody needs after it (sockets, caches,
+    the proxy's CA key) under scratch/, a log kept for post-mortems beside it. clear_folder() empties it at stop; a
+    parent killed before it could stop its server (SIGKILL, the OOM killer: the tether stops the server, nothing
+    clears its files) leaves one, cleared here by the next server of its kind started on this machine."""
+    for stale in Path(tempfile.gettempdir()).glob(f"harness-{kind}-*-*"):
+        parts = stale.name.split("-")  # harness, KIND, PID, mkdtemp's suffix (never a "-" in it)
+        if len(parts) == 4 and parts[2].isdigit() and not _alive(int(parts[2])):
+            clear_folder(stale)
+    folder = Path(tempfile.mkdtemp(prefix=f"harness-{kind}-{os.getpid()}-"))
+    (folder / "scratch").mkdir()
+    return folder
+
+
+def clear_folder(folder: Path) -> None:
+    """The scratch goes; the folder too, unless a log was left in it."""
+    shutil.rmtree(folder / "scratch", ignore_errors=True)
+    try:
+        folder.rmdir()
+    except OSError:  # a log, kept for post-mortems
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 class ManagedProcess:

@@ -4,7 +4,11 @@ policy, budgets, auth and isolation, malformed input, context overflow, journal 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -227,6 +231,27 @@ def test_a_stopped_proxy_leaves_no_ca_key_behind(tmp_path):
         pass
     assert (own._tmp / "proxy.log").exists() and not own.confdir.exists()
 
+
+KILLED = """
+import os
+from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.serving.process import free_port
+proxy = ProxyServer("http://127.0.0.1:9", forward_port=free_port()).start()
+print(proxy._tmp, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_killed_runs_ca_key_is_cleared_by_the_next_proxy(tmp_path):
+    """A run killed by SIGKILL cannot stop its proxy (the tether does) nor clear its folder: the next proxy
+    started on the machine clears it, the CA key with it, and keeps the dead run's log for its post-mortem."""
+    killed = subprocess.run([sys.executable, "-c", KILLED], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    folder = Path(killed.stdout.strip())
+    assert (folder / "scratch" / "conf" / "mitmproxy-ca.pem").exists()  # nothing of the dead run could clear it
+    with ProxyServer("http://127.0.0.1:9", log_path=tmp_path / "proxy.log"):
+        assert not (folder / "scratch").exists()
+    assert (folder / "proxy.log").exists()
 
 def _visible(answer: dict) -> dict:
     """What an agent acts on: drop per-request identifiers."""
