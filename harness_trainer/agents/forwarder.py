@@ -176,14 +176,12 @@ def _sweep() -> None:
     touching a live one's. Probing each folder's socket instead, as this did, cost every new trial a connection
     to every other trial's bridge (a thread and a proxy connection each: 2,000 threads at 64 trials), and removed
     the folder of a bridge bound but not yet listening (its trial failed: "no such file ... forwarder.py")."""
-    import pathlib
     import shutil
-    import tempfile
 
-    for folder in pathlib.Path(tempfile.gettempdir()).glob("harness-trial-*-*"):
-        parts = folder.name.split("-")  # harness, trial, PID, mkdtemp's suffix (never a "-" in it)
-        if len(parts) == 4 and parts[2].isdigit() and not _alive(int(parts[2])):
-            shutil.rmtree(folder, ignore_errors=True)
+    from harness_trainer.serving.process import dead_folders  # the host's side only: the script never sweeps
+
+    for folder in dead_folders("trial"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

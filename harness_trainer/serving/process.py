@@ -73,15 +73,24 @@ def kill_group(leader: subprocess.Popen, timeout_s: float = 10.0) -> None:
     raise ProcessError(f"process group {leader.pid} survived SIGKILL for {timeout_s} s")
 
 
+def dead_folders(kind: str) -> list[Path]:
+    """Folders <temp>/harness-KIND-PID-* whose process is gone: a run killed (SIGKILL, the OOM killer) before it
+    could remove what it made. Named after their process, a dead run's are found without touching a live one's."""
+    found = []
+    for folder in Path(tempfile.gettempdir()).glob(f"harness-{kind}-*-*"):
+        parts = folder.name.split("-")  # harness, KIND, PID, mkdtemp's suffix (never a "-" in it)
+        if len(parts) == 4 and parts[2].isdigit() and not Path("/proc", parts[2]).exists():
+            found.append(folder)
+    return found
+
+
 def server_folder(kind: str) -> Path:
     """A server's own folder, <temp>/harness-KIND-PID-*: what it writes and nobody needs after it (sockets, caches,
     the proxy's CA key) under scratch/, a log kept for post-mortems beside it. clear_folder() empties it at stop; a
-    parent killed before it could stop its server (SIGKILL, the OOM killer: the tether stops the server, nothing
-    clears its files) leaves one, cleared here by the next server of its kind started on this machine."""
-    for stale in Path(tempfile.gettempdir()).glob(f"harness-{kind}-*-*"):
-        parts = stale.name.split("-")  # harness, KIND, PID, mkdtemp's suffix (never a "-" in it)
-        if len(parts) == 4 and parts[2].isdigit() and not _alive(int(parts[2])):
-            clear_folder(stale)
+    parent killed before it could stop its server (the tether stops the server; nothing clears its files) leaves
+    one, cleared here by the next server of its kind started on this machine."""
+    for stale in dead_folders(kind):
+        clear_folder(stale)
     folder = Path(tempfile.mkdtemp(prefix=f"harness-{kind}-{os.getpid()}-"))
     (folder / "scratch").mkdir()
     return folder
@@ -94,17 +103,6 @@ def clear_folder(folder: Path) -> None:
         folder.rmdir()
     except OSError:  # a log, kept for post-mortems
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
-
 
 class ManagedProcess:
     def __init__(self, name: str, command: list[str], *, env: dict[str, str], log_path: Path,
