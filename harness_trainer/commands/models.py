@@ -121,6 +121,7 @@ def add_model_parsers(sub) -> None:
                                                                  "model's id; 'tiny' for the embedded default)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
-    serve.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    serve.add_argument("--startup-timeout", type=float, default=300.0,
+                       help="seconds to wait for /health with no new line in the engine's log (4x that in all)")
     serve.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     serve.set_defaults(func=_serve)

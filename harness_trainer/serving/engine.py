@@ -67,7 +67,7 @@ class EngineConfig:
     weight_transfer: str = NCCL  # GPU only: the backend of --weight-transfer-config (nccl, or ipc colocated)
     lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank, loaded at runtime (serving/weight_sync.py)
     max_loras: int = 4  # adapters held at once: at least max_staleness + 2
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 300.0  # with no new line in its log (serving/process.py: _wait_healthy)
     log_path: Path | None = None
 
 
@@ -194,8 +194,8 @@ class VLLMServer:
         self.managed = ManagedProcess(
             "vLLM", server_command(cfg, gpu, self.served_from), env=server_env(cfg, self.folder / "scratch"),
             log_path=Path(cfg.log_path), health_url=f"{self.url}/health", error=EngineError,
-            start_hint="On 2 CPU cores a cold start takes about a minute; raise the start-up timeout if the log "
-                       "shows progress.")
+            start_hint="On 2 CPU cores a cold start takes about a minute; on a busy machine one step of it can "
+                       "take minutes: raise the start-up timeout if the log stopped at a slow step.")
         self.managed.start(cfg.startup_timeout_s)
         return self
 

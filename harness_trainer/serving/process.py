@@ -20,6 +20,7 @@ import httpx
 from harness_trainer._exceptions import ProcessError
 
 TETHER = Path(__file__).with_name("tether.py")
+START_CAP = 4  # a start whose log keeps moving is given up after this many start-up timeouts in all
 HEALTH_EVERY_S = 2.0  # how often a server's /health is asked while it runs (the proxy's engines, a GPU sync)
 
 
@@ -128,8 +129,12 @@ class ManagedProcess:
             raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Healthy, or an error once its log has not moved for timeout_s (or after START_CAP × timeout_s in all).
+        A fixed deadline raced the machine: beside other work a vLLM that was loading, its log still moving, was
+        given up at 300 s (a fresh `make demo` at a load of 40 on 2 cores)."""
+        started = last_move = time.monotonic()
+        size = -1
+        while (now := time.monotonic()) - last_move < timeout_s and now - started < START_CAP * timeout_s:
             if self.process.poll() is not None:
                 raise self.error(f"{self.name} exited with code {self.process.returncode} while starting.\n"
                                  f"Last lines of its log ({self.log_path}):\n{self.log_tail()}")
@@ -138,8 +143,13 @@ class ManagedProcess:
                     return
             except httpx.HTTPError:
                 pass
+            grown = self.log_path.stat().st_size if self.log_path.exists() else 0
+            if grown != size:
+                size, last_move = grown, now
             time.sleep(0.2)
-        raise self.error(f"{self.name} did not become healthy within {timeout_s:.0f} s. {self.start_hint}\n"
+        why = (f"within {timeout_s:.0f} s of its last log line" if now - last_move >= timeout_s
+               else f"within {now - started:.0f} s (its log still moving)")
+        raise self.error(f"{self.name} did not become healthy {why}. {self.start_hint}\n"
                          f"Last lines of its log ({self.log_path}):\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:

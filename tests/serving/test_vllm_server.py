@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -182,6 +185,38 @@ def test_start_timeout_is_a_clear_error_and_leaves_nothing(tiny_model_dir, tmp_p
         server.start()
     _assert_group_gone(server.managed.pid)
 
+
+SLOW_START = """
+import http.server, os, sys, time
+port, ready = int(sys.argv[1]), sys.argv[2]
+while not os.path.exists(ready):  # a long start whose log keeps moving (vLLM loading beside other work)
+    print("still loading", flush=True)
+    time.sleep(0.1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_start_whose_log_keeps_moving_outlasts_its_timeout(tmp_path):
+    """The start-up timeout counts from the log's last new line: a server still loading past it is waited for
+    (up to START_CAP timeouts); the silent case is test_start_timeout_is_a_clear_error_and_leaves_nothing. A stub
+    server, for a start slower than its timeout on demand."""
+    from harness_trainer.serving.process import ManagedProcess, free_port
+
+    port, ready = free_port(), tmp_path / "ready"
+    managed = ManagedProcess("slow server", [sys.executable, "-c", SLOW_START, str(port), str(ready)],
+                             env=dict(os.environ), log_path=tmp_path / "slow.log",
+                             health_url=f"http://127.0.0.1:{port}/health")
+    started = time.monotonic()
+    threading.Thread(target=lambda: (time.sleep(3.0), ready.touch()), daemon=True).start()
+    try:
+        managed.start(timeout_s=2.0)  # healthy at ≥ 3 s: past the timeout, within its cap (8 s)
+        assert time.monotonic() - started >= 3.0
+    finally:
+        managed.stop()
 
 def test_attach_to_unreachable_url_is_a_clear_error():
     with pytest.raises(EngineError, match="no healthy vLLM server"):
