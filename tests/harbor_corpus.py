@@ -39,7 +39,7 @@ name = "harness-test/build"
 description = "an image built from its Dockerfile"
 
 [agent]
-timeout_sec = 120
+timeout_sec = 600
 user = "agent"
 
 [verifier]
@@ -94,7 +94,7 @@ def image_task(root: Path) -> Path:
     task = root / "image"
     _write(task / "instruction.md", "Write the word from $WORD_SOURCE into word.txt.\n")
     _write(task / "task.toml", f'''[agent]
-timeout_sec = 120
+timeout_sec = 600
 
 [verifier]
 timeout_sec = 60
@@ -131,7 +131,7 @@ fi
 def plain_task(root: Path) -> Path:
     task = root / "plain"
     _write(task / "instruction.md", "Copy the first line of notes.txt into first.txt.\n")
-    _write(task / "task.toml", "[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 60\n")
+    _write(task / "task.toml", "[agent]\ntimeout_sec = 600\n\n[verifier]\ntimeout_sec = 60\n")
     _write(task / "environment" / "app" / "notes.txt", "alpha\nbeta\n")
     _write(task / "solution" / "solve.sh", "#!/bin/bash\n# first line only\nhead -n 1 notes.txt > first.txt\n", 0o755)
     _write(task / "tests" / "test.sh", '''#!/bin/bash
@@ -149,7 +149,7 @@ def multi_step_task(root: Path) -> Path:
     _write(task / "task.toml", '''multi_step_reward_strategy = "mean"
 
 [agent]
-timeout_sec = 120
+timeout_sec = 600
 
 [environment]
 docker_image = "python:3.11-slim"
@@ -195,7 +195,7 @@ def service_task(root: Path) -> Path:
     task = root / "service"
     _write(task / "instruction.md", "Serve /srv/www over HTTP on port 8123 with a file `answer` holding the word "
                                     "served, and leave the server running.\n")
-    _write(task / "task.toml", "[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 60\n\n"
+    _write(task / "task.toml", "[agent]\ntimeout_sec = 600\n\n[verifier]\ntimeout_sec = 60\n\n"
                                "[environment]\nallow_internet = false\n")
     _write(task / "environment" / "Dockerfile", "FROM python:3.11-slim\nCOPY entry.sh /entry.sh\n"
                                                 'RUN chmod 755 /entry.sh\nWORKDIR /app\nENTRYPOINT ["/entry.sh"]\n')
@@ -236,7 +236,7 @@ def compose_task(root: Path) -> Path:
     environment variable; no internet, yet the services reach each other."""
     task = root / "compose"
     _write(task / "instruction.md", "Write what $SIDECAR_URL/hello answers into /app/answer.txt.\n")
-    _write(task / "task.toml", '[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 60\n\n[environment]\n'
+    _write(task / "task.toml", '[agent]\ntimeout_sec = 600\n\n[verifier]\ntimeout_sec = 60\n\n[environment]\n'
                                'docker_image = "python:3.11-slim"\nworkdir = "/app"\nallow_internet = false\n')
     _write(task / "environment" / "docker-compose.yaml", """services:
   main:
