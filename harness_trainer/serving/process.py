@@ -105,6 +105,7 @@ def clear_folder(folder: Path) -> None:
     except OSError:  # a log, kept for post-mortems
         pass
 
+
 class ManagedProcess:
     def __init__(self, name: str, command: list[str], *, env: dict[str, str], log_path: Path,
                  health_url: str, error: type[Exception] = ProcessError, start_hint: str = ""):
