@@ -65,7 +65,8 @@ def test_the_task_format_is_read_as_harbor_writes_it(tmp_path, monkeypatch, caps
     assert [s.name for s in steps.steps] == ["create", "extend", "count"] and steps.reward_strategy == "mean"
     assert steps.instruction == steps.steps[0].instruction == "Create /app/notes.txt holding the line alpha."
     assert steps.steps[0].min_reward == {"reward": 1.0} and steps.steps[1].verifier_env == {"EXPECTED_LINES": "2"}
-    assert steps.steps[0].agent_timeout_s == 600 and steps.steps[0].verifier_timeout_s == 600  # the task's; Harbor's
+    # the agent's timeout is the task's own; the verifier's is Harbor's default
+    assert steps.steps[0].agent_timeout_s == 600 and steps.steps[0].verifier_timeout_s == 600
     assert [d.name for d in steps.steps[2].tests_dirs(steps.path)] == ["tests"]  # the shared ones only
     # the defaults are Harbor's
     (tmp_path / "corpus" / "plain" / "task.toml").write_text(
