@@ -57,7 +57,7 @@ class ProxyClient:
 
     def _body(self, method: str, path: str, **kwargs) -> bytes:
         response = self.http.request(method, path, **kwargs)
-        if response.status_code == 409 and path.endswith("/trace"):
+        if response.status_code == 409 and "/trace" in path:
             raise CaptureNotTrainable(response.json().get("reason", response.text))
         if not response.is_success:
             raise ProxyError(f"proxy {method} {path} -> HTTP {response.status_code}: {response.text[:500]}")
@@ -74,10 +74,12 @@ class ProxyClient:
     def trace(self, session_id: str) -> dict:
         return self._call("GET", f"/sessions/{session_id}/trace")
 
-    def trace_json(self, session_id: str) -> bytes:
+    def trace_json(self, session_id: str, compact: bool = False) -> bytes:
         """The trace as the proxy sent it, for a model to validate straight from JSON (no dict in between: a
-        rollout's trace at 200k tokens peaks at 15 MB that way, 43 MB through a dict)."""
-        return self._body("GET", f"/sessions/{session_id}/trace")
+        rollout's trace at 200k tokens peaks at 15 MB that way, 43 MB through a dict). compact: each token once
+        (traces/compact.py; `expand` gives the TrainingTrace), what the trainer fetches: a whole trace grows with
+        the square of a rollout's length."""
+        return self._body("GET", f"/sessions/{session_id}/trace" + ("?form=compact" if compact else ""))
 
     def rollout(self, session_id: str) -> dict:
         return self._call("GET", f"/sessions/{session_id}/rollout")

@@ -5,6 +5,7 @@
   GET    /sessions                       list sessions                                      (admin)
   GET    /sessions/{id}                  one session's settings and call count              (admin or own key)
   GET    /sessions/{id}/trace            OpenEnv TrainingTrace, or 409 with why not          (admin or own key)
+         /sessions/{id}/trace?form=compact  the same turns, each token once (traces/compact.py)
   GET    /sessions/{id}/rollout          the full capture document                          (admin or own key)
   GET    /sessions/{id}/graph            the same without token ids, requests, answers      (admin or own key)
   DELETE /sessions/{id}                  forget a session and its journal                   (admin)
@@ -21,7 +22,6 @@ session's key is still confined to that session's own routes.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -29,7 +29,7 @@ from urllib.parse import parse_qs
 from harness_trainer import fastjson
 from harness_trainer._exceptions import NoEngine, NotTrainable
 from harness_trainer.proxy.capture import SamplingPolicy
-from harness_trainer.proxy.session import rollout_document, training_trace
+from harness_trainer.proxy.session import compact_trace, rollout_document, training_trace
 from harness_trainer.proxy.wire import Reply, Request, json_reply
 
 
@@ -125,9 +125,8 @@ class ControlRoutes:
             # sessions minted from now on start at this version (and model) too
             store.set_current(version, model)
             sessions = list(store.sessions.values())
-            for session in sessions:
-                store.set_policy_version(session, version, model, sync=False)
-            await asyncio.gather(*(store.synced(session) for session in sessions))
+            for session in sessions:  # each written before the answer (store.py: what the journal promises)
+                store.set_policy_version(session, version, model)
             return json_reply(200, {"policy_version": version, "model": store.current_model,
                                        "sessions": len(store.sessions)})
         if parts == ["policy_version"] and method == "GET":  # what the trainer needs to unload old adapters
@@ -148,8 +147,9 @@ class ControlRoutes:
             store.delete(session.id)
             return json_reply(200, {"deleted": session.id})
         if tail == ["trace"] and method == "GET":
+            compact = parse_qs(request.path.partition("?")[2]).get("form") == ["compact"]
             try:
-                return json_reply(200, training_trace(session))
+                return json_reply(200, compact_trace(session) if compact else training_trace(session))
             except NotTrainable as exc:
                 return json_reply(409, {"trainable": False, "reason": str(exc)})
         if tail == ["rollout"] and method == "GET":
@@ -160,8 +160,7 @@ class ControlRoutes:
             version = body.get("policy_version")
             if not isinstance(version, int) or isinstance(version, bool):
                 return _error(400, "'policy_version' must be an integer")
-            store.set_policy_version(session, version, sync=False)
-            await store.synced(session)
+            store.set_policy_version(session, version)
             return json_reply(200, session.summary())
         return _error(404, f"no route {method} {request.path}")
 
@@ -185,6 +184,6 @@ class ControlRoutes:
             return _error(400, str(exc))
         except Exception as exc:  # the upstream could not be asked for its model
             return _error(502, f"could not ask the upstream for its served model: {exc}; pass 'model'")
-        await self.addon.store.synced(session)  # on disk before its key is handed out
+        # written to its journal before its key is handed out (store.py: what the journal promises)
         base = self.public_url or f"http://{request.host_header or request.host}"
         return json_reply(201, dict(session.summary(), api_key=session.id, base_url=f"{base}/v1"))

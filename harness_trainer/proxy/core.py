@@ -173,7 +173,8 @@ class Capture:
             call.released = True
             self.store.in_flight[call.sent["model"]] -= 1
             done = call.completion
-            self.pool.call_ended(call.session.upstream, len(done.prompt_token_ids or []), len(done.token_ids),
+            self.pool.call_ended(call.session.upstream, call.prompt_tokens or len(done.prompt_token_ids or []),
+                                 len(done.token_ids),
                                  answered=call.finished and not call.failed)
 
     async def failed(self, call: CallInFlight) -> None:
@@ -206,14 +207,8 @@ class Capture:
         except Exception as exc:  # an answer the proxy cannot read is not passed on unread
             reply = json_reply(502, call.dialect.error(
                 502, f"the engine's answer could not be read ({type(exc).__name__}: {exc})"))
-        await self.durable(call)
-        await self.ended(call, reply.status)
+        await self.ended(call, reply.status)  # a finished call was journaled when it finished (store.py)
         return reply
-
-    async def durable(self, call: CallInFlight) -> None:
-        """Before the agent gets the answer's last byte: the finished call is on disk (store.py)."""
-        if call.finished:
-            await self.store.synced(call.session)
 
     async def _answer(self, call: CallInFlight, status: int, body: bytes) -> Reply:
         for attempt in range(self.retries):
@@ -229,9 +224,13 @@ class Capture:
         if status == 200:
             if call.stream:
                 return Reply(200, b"".join(call.feed(body) + call.feed(b"")), "text/event-stream")
-            answer = fastjson.loads(body)
+            answer, prompt_ids = fastjson.loads_ids(body)
             call._alias(answer)
             call.completion = Completion.from_json(answer)
+            if prompt_ids is not None:
+                call.completion.prompt_token_ids = prompt_ids
+                if call.asked.get("return_token_ids"):  # the agent asked for them itself
+                    answer["prompt_token_ids"] = prompt_ids
             call.finish()
             return Reply(200, fastjson.dumps(call.dialect.from_chat(answer, call.asked)))
         text = body.decode("utf-8", "replace")

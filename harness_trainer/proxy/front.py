@@ -138,7 +138,6 @@ class Front:
             return True
 
         call = result
-        call.deferred_sync = True  # the journal's fsync off the loop: awaited before the answer's last byte
         try:
             answer = await self.upstream.post(call.url, call.body, stream=call.stream)
             if call.stream and answer.status == 200:
@@ -180,8 +179,7 @@ class Front:
         return True
 
     async def _pass(self, call: CallInFlight, chunks: list[bytes], writer: asyncio.StreamWriter) -> None:
-        """The agent's chunks; the ones that end a finished call wait until it is journaled."""
-        await self.capture.durable(call)
+        """The agent's chunks (a call is journaled by the feed that finishes it, before its chunks go out)."""
         for out in chunks:
             writer.write(http_chunk(out))
         await writer.drain()

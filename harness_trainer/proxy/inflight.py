@@ -2,7 +2,8 @@
 
 A streamed answer is fed in as the engine's raw SSE bytes come (`feed`): ids and logprobs accumulate, each event
 is rewritten for the agent's dialect, an engine error mid-stream becomes the dialect's error event, and the call
-is recorded (journaled) before the agent receives the answer's last byte.
+is recorded (journaled) before the agent receives the answer's last byte: `finish` runs before the chunk
+that ends it is passed on.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class CallInFlight:
     finished: bool = False
     failed: bool = False  # an error event was sent: no success ending may follow
     released: bool = False  # no longer counted in flight
-    deferred_sync: bool = False  # journaled at once, fsynced when the front awaits `SessionStore.synced`
+    prompt_tokens: int = 0  # the prompt's length, once the call is recorded
 
     @property
     def url(self) -> str:
@@ -73,9 +74,13 @@ class CallInFlight:
                 if not self.failed:
                     out.append(self.translator.done())
                 continue
-            chunk = None
+            chunk, prompt_ids = None, None
             with contextlib.suppress(json.JSONDecodeError):
-                chunk = fastjson.loads(payload) if payload else None
+                chunk, prompt_ids = fastjson.loads_ids(payload.encode()) if payload else (None, None)
+            if prompt_ids is not None:  # an array at once: a list would be held the whole answer long
+                self.completion.prompt_token_ids = prompt_ids
+                if self.asked.get("return_token_ids"):
+                    chunk["prompt_token_ids"] = prompt_ids
             if isinstance(chunk, dict) and chunk.get("error") and not self.failed:  # the engine failed mid-stream
                 error = chunk["error"]
                 out.append(self._fail(f"the engine failed mid-answer: "
@@ -84,7 +89,7 @@ class CallInFlight:
             if isinstance(chunk, dict) and self._alias(chunk):
                 raw = b"data: " + fastjson.dumps(chunk)
             if isinstance(chunk, dict):
-                if chunk.get("prompt_token_ids"):  # an array at once: the list would be held the whole answer long
+                if chunk.get("prompt_token_ids"):  # read as usual (not vLLM's compact JSON): an array at once
                     self.completion.prompt_token_ids = compact(chunk["prompt_token_ids"], "i")
                 for choice in chunk.get("choices") or []:
                     self.completion.add_choice_delta(choice)
@@ -120,8 +125,9 @@ class CallInFlight:
             policy_version=self.policy_version, n_tools=len(self.sent.get("tools") or []),
             request=self.session.share(self.sent),
             sampling_params=self.sent_params, requested_sampling_params=self.requested_params,
-            prompt_token_ids=c.prompt_token_ids or [], completion_token_ids=c.token_ids,
+            prompt_suffix=c.prompt_token_ids or [], completion_token_ids=c.token_ids,
             per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
             problem=c.problem(), harness_session_id=self.harness_session_id,
-            started=self.started, finished=time.time()), sync=not self.deferred_sync)
-        c.prompt_token_ids = call.prompt_token_ids  # the flow outlives this: the call's array, not a list beside it
+            started=self.started, finished=time.time()))
+        # the flow outlives this: the whole prompt is not kept beside the call's suffix
+        self.prompt_tokens, c.prompt_token_ids = call.prompt_tokens, None

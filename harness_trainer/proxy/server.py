@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import ipaddress
 import os
 import signal
@@ -52,6 +53,7 @@ async def serve(args: argparse.Namespace) -> None:
     capture = Capture(store, upstream=args.upstream, model=args.model, admin_key=args.admin_key,
                       public_url=args.public_url, confdir=str(confdir))
     await capture.running()
+    syncing = asyncio.create_task(store.keep_synced())
     master = await forward_listener(args, capture, confdir) if args.forward_port else None
     front = Front(capture, args.host, args.port, parse_size(args.body_size_limit))
     await front.start()
@@ -70,6 +72,8 @@ async def serve(args: argparse.Namespace) -> None:
         master.shutdown()
         await running
     await capture.done()
+    syncing.cancel()
+    await store.sync_all()
 
 
 async def forward_listener(args: argparse.Namespace, capture, confdir: Path):
@@ -116,9 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def return_large_blocks() -> None:
+    """Blocks of 128 KB and more (a call's body, its answer, a prompt's ids) are mapped for themselves and given
+    back to the system when freed. glibc's default raises that threshold as such blocks are freed, after which they
+    come from the heap and its high water stays: 8 rollouts at 120 turns grew the proxy by 12x their unique tokens
+    that way, 4.4x with it (docs/benchmarks.md, long rollouts). Nothing on a libc without mallopt."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     raise_open_files_limit()  # two connections a call in flight: 1,024 is ~500 agents
+    return_large_blocks()
     if not is_loopback(args.host) and not args.admin_key:
         print(f"harness-train proxy: refusing to bind {args.host} without an admin key: anyone who can reach "
               "it could read every session. Pass --admin-key (or HARNESS_PROXY_ADMIN_KEY), or bind 127.0.0.1.",

@@ -23,14 +23,15 @@ from dataclasses import asdict, dataclass, field
 
 from harness_trainer._exceptions import NotTrainable
 from harness_trainer.proxy.capture import SamplingPolicy
-from harness_trainer.traces.prefixes import longest_prefix_parents, root_break
+from harness_trainer.traces.compact import COMPACT, expand
+from harness_trainer.traces.prefixes import PrefixIndex, longest_prefix_parents, root_break
 from harness_trainer.traces.sharing import share_messages
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 TOOLS = ("tools",)  # Session.shared's key for the last tool list (every other key is a text)
 
 
-@dataclass
+@dataclass(eq=False)  # one object a call: compared by identity (its ids would be compared token by token)
 class Call:
     index: int  # arrival order within the session
     dialect: str
@@ -40,7 +41,7 @@ class Call:
     request: dict  # {"messages": [...], "tools": [...] | None} as sent upstream (chat form)
     sampling_params: dict
     requested_sampling_params: dict
-    prompt_token_ids: Sequence[int]  # arrays once stored (__post_init__)
+    prompt_suffix: Sequence[int]  # the prompt's ids after `base`'s prompt+completion; with no base, the whole prompt
     completion_token_ids: Sequence[int]
     per_token_logps: Sequence[float]
     message: dict
@@ -50,18 +51,57 @@ class Call:
     harness_session_id: str | None = None
     started: float = 0.0
     finished: float = 0.0
+    # Set when the session records it (Session.attach): its prefix parent, and what names its whole prompt.
+    base: Call | None = field(default=None, repr=False)
+    prompt_key: tuple | None = field(default=None, repr=False)
+    prompt_tokens: int = -1  # the whole prompt's length
 
     def __post_init__(self):
         # C arrays, not lists: a list of ids costs ~36 bytes a token (a pointer and an int object), an array 4
-        # (8 a logprob), and the cyclic GC has nothing to walk. A proxy keeps every call of every rollout it
-        # serves: 1,024 rollouts of 30 calls averaging 25k prompt tokens are 27 GB as lists, 3 GB as arrays.
-        self.prompt_token_ids = compact(self.prompt_token_ids, "i")  # 'i': 32 bits, past every vocabulary
+        # (8 a logprob), and the cyclic GC has nothing to walk. And each call keeps only what it adds to its
+        # prefix parent: every call resends the whole conversation, so whole prompts grow with the square of a
+        # rollout's length (60 turns to 122k tokens: 52x its unique tokens); suffixes hold each token once.
+        self.prompt_suffix = compact(self.prompt_suffix, "i")  # 'i': 32 bits, past every vocabulary
         self.completion_token_ids = compact(self.completion_token_ids, "i")
         self.per_token_logps = compact(self.per_token_logps, "d")  # doubles: every logprob exactly as sent
+        if self.prompt_tokens < 0:
+            self.prompt_tokens = len(self.prompt_suffix) + (self.base.full_tokens if self.base else 0)
+
+    @property
+    def full_tokens(self) -> int:
+        return self.prompt_tokens + len(self.completion_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        """The whole prompt, joined from the chain of prefix parents (a new array each time: read, don't keep)."""
+        pieces, at = [self.prompt_suffix], self.base
+        while at is not None:
+            pieces += (at.completion_token_ids, at.prompt_suffix)
+            at = at.base
+        return joined(reversed(pieces))
 
     @property
     def full(self) -> Sequence[int]:
-        return self.prompt_token_ids + self.completion_token_ids
+        return joined((self.prompt_token_ids, self.completion_token_ids))
+
+
+# A Call's fields that say how it is stored, not what was captured: never exported as they are.
+STORAGE = ("base", "prompt_key", "prompt_suffix", "prompt_tokens")
+
+
+def captured(call: Call) -> dict:
+    """The call's captured fields (a shallow copy), without how it is stored."""
+    return {k: v for k, v in vars(call).items() if k not in STORAGE}
+
+
+def joined(pieces) -> Sequence[int]:
+    pieces = list(pieces)
+    if not all(isinstance(p, array) for p in pieces):  # an engine's odd ids, kept as they came (Call.problem)
+        return [x for p in pieces for x in p]
+    out = array(pieces[0].typecode if pieces else "i")
+    for piece in pieces:
+        out.extend(piece)  # same type: a memcpy
+    return out
 
 
 def plain(values) -> list:
@@ -97,6 +137,28 @@ class Session:
     shared: dict = field(default_factory=dict, repr=False)  # texts and tool lists its calls hold once (share)
     last_messages: list = field(default_factory=list, repr=False)  # the last call's, as share() kept them
     graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)  # every call's prompt+completion
+
+    def __post_init__(self):
+        given, self.calls = self.calls, []
+        for call in given:
+            self.attach(call)
+
+    def attach(self, call: Call) -> None:
+        """`call` becomes the session's latest. Its prefix parent is the earlier call whose prompt+completion is the
+        longest exact prefix of its prompt (a call can only continue an answer its agent already had, and a call
+        is recorded before its agent gets its last byte), and the call keeps only what it adds to it."""
+        prompt = call.prompt_token_ids
+        call.base, call.prompt_suffix, call.prompt_key, call.prompt_tokens = None, prompt, None, len(prompt)
+        if len(prompt) and isinstance(prompt, array) and isinstance(call.completion_token_ids, array):
+            hashes = PrefixIndex.hashes(prompt)
+            call.prompt_key = PrefixIndex.key(prompt, hashes, len(prompt))
+            base = self.prefixes.longest(prompt, hashes, lambda c, n: c.full == prompt[:n])
+            if base is not None:
+                call.base, call.prompt_suffix = base, prompt[base.full_tokens:]
+            full = joined((prompt, call.completion_token_ids))
+            self.prefixes.add(full, PrefixIndex.hashes(full, hashes), call)
+        self.calls.append(call)
 
     def share(self, request: dict) -> dict:
         """Each call's request repeats the conversation so far and the same tools: a long text or a tool list
@@ -118,10 +180,9 @@ class Session:
                 "stops": list(self.stops), "engine_failure": self.engine_failure}
 
     def graph(self) -> tuple[dict[int, int | None], dict[int, str]]:
-        """parents() and roles() of the calls so far, computed once per number of calls: a rollout's end asks for
-        its trace and its graph, each of which walked every token of every call twice."""
+        """Each call's parent (its base) and roles(), computed once per number of calls."""
         if self.graph_of is None or self.graph_of[0] != len(self.calls):
-            parent = parents(self.calls)
+            parent = {c.index: None if c.base is None else c.base.index for c in self.calls}
             self.graph_of = (len(self.calls), parent, roles(self.calls, parent))
         return self.graph_of[1], self.graph_of[2]
 
@@ -130,7 +191,8 @@ class Session:
 
 
 def parents(calls: list[Call]) -> dict[int, int | None]:
-    """index -> parent index, by longest exact prefix of prompt+completion (independent of order)."""
+    """index -> parent index, by longest exact prefix of prompt+completion, from the ids alone in any order (a
+    session's own graph is its calls' bases: the same links wherever a parent came first, as it does in a run)."""
     found = longest_prefix_parents([c.prompt_token_ids for c in calls], [c.full for c in calls],
                                    eligible=[bool(c.prompt_token_ids) for c in calls])
     return {call.index: None if j is None else calls[j].index for call, j in zip(calls, found)}
@@ -142,14 +204,18 @@ def roles(calls: list[Call], parent: dict[int, int | None] | None = None) -> dic
     continued = {p for p in parent.values() if p is not None}
     any_tools = any(c.n_tools for c in calls)
     same_prompt: dict[tuple, list[Call]] = {}
-    for c in calls:
-        same_prompt.setdefault(tuple(c.prompt_token_ids), []).append(c)
+    for c in calls:  # grouped by the name of their prompt, then confirmed by its ids (a hash can collide)
+        group = same_prompt.setdefault(c.prompt_key or ("ids", tuple(c.prompt_token_ids)), [])
+        if group and list(group[0].prompt_token_ids) != list(c.prompt_token_ids):
+            group = same_prompt.setdefault(("ids", tuple(c.prompt_token_ids)), [])
+        group.append(c)
+    prompt_of = {id(c): group for group in same_prompt.values() for c in group}
     result = {}
     for c in calls:
         if any_tools and not c.n_tools:
             result[c.index] = "auxiliary"
             continue
-        siblings = same_prompt[tuple(c.prompt_token_ids)]
+        siblings = prompt_of[id(c)]
         if len(siblings) > 1 and c.index not in continued:
             # A retry: keep the one that was continued, or else the last one sent.
             keep = [s for s in siblings if s.index in continued] or [max(siblings, key=lambda s: s.index)]
@@ -167,22 +233,26 @@ def rollout_document(session: Session, ids: bool = True) -> dict:
     parent, role = session.graph()
     calls, before = [], None  # before: the last agent call so far, for why a later root broke from it
     for c in sorted(session.calls, key=lambda c: c.index):
-        # a shallow copy: the lists are only serialised (asdict's deep copy of every prompt cost as much again)
-        entry = dict(vars(c)) if ids else {k: v for k, v in vars(c).items() if k not in GRAPH_LEAVES_OUT}
+        entry = captured(c) if ids else {k: v for k, v in captured(c).items() if k not in GRAPH_LEAVES_OUT}
         if ids:  # the wire form: plain lists
-            entry.update({k: plain(entry[k]) for k in ("prompt_token_ids", "completion_token_ids", "per_token_logps")})
+            entry.update(prompt_token_ids=plain(c.prompt_token_ids), completion_token_ids=plain(c.completion_token_ids),
+                         per_token_logps=plain(c.per_token_logps))
         else:
-            entry.update(prompt_tokens=len(c.prompt_token_ids), completion_tokens=len(c.completion_token_ids))
+            entry.update(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.completion_token_ids))
         entry.update(node_id=session.node_id(c), role=role[c.index],
                      parent=None if parent[c.index] is None else f"{session.id}:{parent[c.index]}")
         if role[c.index] == "agent":
             if parent[c.index] is None and before is not None:
-                entry["root_break"] = root_break(c.prompt_token_ids, before.prompt_token_ids, before.full,
-                                                 bool((before.message or {}).get("reasoning")))
+                entry["root_break"] = why_root(c, before)
             before = c
         calls.append(entry)
     roots = [c["node_id"] for c in calls if c["parent"] is None and c["role"] == "agent"]
     return {"session": session.summary(), "calls": calls, "roots": roots}
+
+
+def why_root(call: Call, before: Call) -> dict:
+    return root_break(call.prompt_token_ids, before.prompt_token_ids, before.full,
+                      bool((before.message or {}).get("reasoning")))
 
 
 # The model never acted in the rollout: its score says nothing of the policy (rollouts/session.py: unscorable).
@@ -191,29 +261,58 @@ GRAPH_LEAVES_OUT = ("prompt_token_ids", "completion_token_ids", "per_token_logps
 
 
 def training_trace(session: Session) -> dict:
-    """OpenEnv TrainingTrace (schema v1) wire form: agent turns only, prompt masked 0, completion 1."""
-    doc = rollout_document(session)
-    agent = [c for c in doc["calls"] if c["role"] == "agent"]
+    """OpenEnv TrainingTrace (schema v1) wire form: agent turns only, each whole, prompt masked 0, completion 1."""
+    return expand(compact_trace(session))
+
+
+def compact_trace(session: Session) -> dict:
+    """The TrainingTrace's turns with each token once (traces/compact.py): a turn is what it adds to its nearest
+    ancestor among the trace's turns (its `base`), its prompt's new ids and its request's new messages."""
+    parent, role = session.graph()
+    agent = [c for c in sorted(session.calls, key=lambda c: c.index) if role[c.index] == "agent"]
     if not agent:
         raise NotTrainable(f"{NO_AGENT_TURNS}: wrong base URL, unresolved model, or auth rejected")
-    broken = [c for c in agent if c["problem"]]
+    broken = [c for c in agent if c.problem]
     if broken:
-        raise NotTrainable(f"call {broken[0]['index']} has no exact capture: {broken[0]['problem']}")
-    turns = []
+        raise NotTrainable(f"call {broken[0].index} has no exact capture: {broken[0].problem}")
+    shipped, turns, before = {c.index for c in agent}, [], None
     for c in agent:
+        pieces, base = [c.prompt_suffix], c.base
+        while base is not None and base.index not in shipped:  # a parent left out (a retry, an auxiliary call)
+            pieces += (base.completion_token_ids, base.prompt_suffix)
+            base = base.base
+        metadata = {"node_id": session.node_id(c), "index": c.index, "model": c.model or session.model,
+                    "n_tools": c.n_tools, "sampling_params": c.sampling_params,
+                    "requested_sampling_params": c.requested_sampling_params, "policy_version": c.policy_version,
+                    "harness_session_id": c.harness_session_id,
+                    "parent": None if parent[c.index] is None else f"{session.id}:{parent[c.index]}",
+                    "dialect": c.dialect, "stream": c.stream}
+        if parent[c.index] is None and before is not None:
+            metadata["root_break"] = why_root(c, before)
+        before = c
         turns.append({
-            "node_id": c["node_id"],
-            "prompt_token_ids": c["prompt_token_ids"],
-            "completion_token_ids": c["completion_token_ids"],
-            "per_token_logps": c["per_token_logps"],
-            "loss_mask": [0] * len(c["prompt_token_ids"]) + [1] * len(c["completion_token_ids"]),
-            "request": c["request"],
-            "response": {"choices": [{"message": c["message"], "finish_reason": c["finish_reason"]}]},
-            "metadata": {"node_id": c["node_id"], "index": c["index"], "model": c["model"] or session.model,
-                         "n_tools": c["n_tools"], "sampling_params": c["sampling_params"],
-                         "requested_sampling_params": c["requested_sampling_params"],
-                         "policy_version": c["policy_version"], "harness_session_id": c["harness_session_id"],
-                         "parent": c["parent"], "dialect": c["dialect"], "stream": c["stream"],
-                         **({"root_break": c["root_break"]} if "root_break" in c else {})},
-        })
-    return {"schema_version": 1, "turns": turns}
+            "node_id": session.node_id(c), "base": None if base is None else session.node_id(base),
+            "prompt_suffix": plain(joined(reversed(pieces))), "completion_token_ids": plain(c.completion_token_ids),
+            "per_token_logps": plain(c.per_token_logps), "request": request_delta(c.request, base and base.request),
+            "response": {"choices": [{"message": c.message, "finish_reason": c.finish_reason}]},
+            "metadata": metadata})
+    return {"form": COMPACT, "schema_version": 1, "turns": turns}
+
+
+def request_delta(request: dict, before: dict | None) -> dict:
+    """`request` as what it adds to `before` (a parent's): its messages after the parent's, and its tools unless
+    they are the parent's. The inverse is traces/compact.py's `whole_request`."""
+    messages, tools = request.get("messages") or [], request.get("tools")
+    if before is None:
+        return {"messages": messages, "tools": tools}
+    delta: dict = {}
+    shared = before.get("messages") or []
+    if len(messages) >= len(shared) and messages[:len(shared)] == shared:  # the same objects: compared by identity
+        delta.update(extends=len(shared), messages=messages[len(shared):])
+    else:
+        delta["messages"] = messages
+    if tools is before.get("tools") or tools == before.get("tools"):
+        delta["same_tools"] = True
+    else:
+        delta["tools"] = tools
+    return delta

@@ -2,18 +2,23 @@
 
 journal/<session id>.jsonl holds one JSON record a line:
   {"t": "session", ...}               created (the session's settings)
-  {"t": "call", ...}                  one finished model call, written and fsynced before the agent gets the
-                                      answer's last byte
+  {"t": "call", ...}                  one finished model call, written before the agent gets the answer's last
+                                      byte, as what it adds to its prefix parent: "base" (the parent's index, an
+                                      earlier record's), "prompt_suffix" (the prompt's ids after the parent's
+                                      prompt+completion) and "request" as traces/compact.py writes a turn's (the
+                                      messages after the parent's); a root has no base and its whole prompt
   {"t": "version", "policy_version", "model"}  the trainer moved the session to a new policy version
   {"t": "upstream", "upstream"}       its engine was lost before its first call: pinned to another
-A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept.
+  {"t": "stop", "why"}                a clean stop the proxy answered
+A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept. A record that
+cannot be rebuilt (its parent missing) ends the file's reading there, said in the proxy's log.
 
-An fsync costs milliseconds (2.4 ms measured here), and one per finished call on the event loop is most of a
-core at a thousand agents. So a call can be written at once and synced later (`record(..., sync=False)`): the
-front then awaits `synced(session)` (the fsync in a thread, off the loop) before the agent gets the answer's last
-byte, so the promise holds; calls finished together share the wait, each file synced once. The control routes
-do the same for a new session and a policy version (1,024 sessions moved to a new version were 2.5 s of a
-blocked loop at every weight sync, fsynced one after another).
+What the journal promises (docs/design.md, "The journal"): a record is written (the kernel has it) before it is
+acknowledged (the answer's last byte, a session's key, a policy version's 200), so a proxy killed at any point -
+kill -9, out of memory, a crash - loses nothing it acknowledged. Surviving the machine itself (power, a kernel
+panic) is the disk's part: every written file is fsynced within FSYNC_EVERY_S, off the event loop, in one
+thread. A machine that dies takes the rollouts' sandboxes and agents with it, so those rollouts start again
+anyway; an fsync per call before its answer (2.4 ms measured here) bought nothing more and cost each call that.
 journal/policy.json holds the trainer's latest version and model (POST /policy_version), replaced atomically, so
 a restarted proxy stamps new sessions as the trainer left it, even with no session alive.
 """
@@ -25,15 +30,23 @@ import contextlib
 import json
 import os
 import secrets
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from harness_trainer import fastjson
 from harness_trainer.proxy.capture import SamplingPolicy
-from harness_trainer.proxy.session import SESSION_ID, Call, Session
+from harness_trainer.proxy.session import SESSION_ID, Call, Session, captured, request_delta
+from harness_trainer.traces.compact import whole_request
 
 # journaled as they happen, or derived; engine_failure is not kept across a restart of the proxy
-NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of", "engine_failure")
+NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of", "engine_failure", "prefixes",
+                 "last_messages")
+FSYNC_EVERY_S = 1.0  # the most a machine's crash can lose of what was written
+
+
+class Unreadable(Exception):
+    """A journal record that cannot be rebuilt (not a torn line: a record whose parent is not in the file)."""
 
 
 class SessionStore:
@@ -49,7 +62,7 @@ class SessionStore:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
             self._reload()
 
-    def _append(self, session_id: str, record: dict, sync: bool = True) -> None:
+    def _append(self, session_id: str, record: dict, sync: bool = False) -> None:
         if not self.journal_dir:
             return
         line = fastjson.dumps(record) + b"\n"
@@ -90,6 +103,18 @@ class SessionStore:
                 running.add_done_callback(lambda done: self._forget(sid, done))
             await asyncio.shield(running)
 
+    async def keep_synced(self, every_s: float = FSYNC_EVERY_S) -> None:
+        """Runs for the proxy's life: what was written is fsynced within `every_s`, the files one after another
+        in one thread (1,024 sessions' fsyncs at once would be 1,024 threads' worth of the loop's executor)."""
+        while True:
+            await asyncio.sleep(every_s)
+            await self.sync_all()
+
+    async def sync_all(self) -> None:
+        if self.unsynced and self.journal_dir:
+            written, self.unsynced = self.unsynced, set()  # what is written from here on waits for the next round
+            await asyncio.to_thread(lambda: [self._fsync(sid) for sid in sorted(written)])
+
     def _forget(self, session_id: str, done: asyncio.Future) -> None:
         if self._syncing.get(session_id) is done:  # not a newer fsync of the same file
             del self._syncing[session_id]
@@ -121,7 +146,12 @@ class SessionStore:
                     record["policy"] = SamplingPolicy(**record["policy"])
                     session = Session(**record)
                 elif kind == "call" and session:
-                    session.calls.append(Call(**dict(record, request=session.share(record["request"]))))
+                    try:
+                        session.attach(restored(session, record))
+                    except Unreadable as exc:
+                        print(f"capture proxy: journal {path.name}: {exc}; the records after it are not read",
+                              file=sys.stderr, flush=True)
+                        break
                 elif kind == "upstream" and session:
                     session.upstream = record["upstream"]
                 elif kind == "stop" and session:
@@ -137,7 +167,7 @@ class SessionStore:
 
     def create(self, *, upstream: str, model: str, session_id: str | None = None,
                policy: SamplingPolicy | None = None, max_model_calls: int | None = None,
-               policy_version: int = 0, metadata: dict | None = None, sync: bool = True) -> Session:
+               policy_version: int = 0, metadata: dict | None = None, sync: bool = False) -> Session:
         session_id = session_id or "hs-" + secrets.token_urlsafe(18).replace("-", "x").replace("_", "y")
         if not SESSION_ID.match(session_id):
             raise ValueError(f"session id {session_id!r} must match {SESSION_ID.pattern}")
@@ -151,11 +181,15 @@ class SessionStore:
         self.sessions[session.id] = session
         return session
 
-    def record(self, session: Session, call: Call, sync: bool = True) -> None:
-        """sync=False: written now, on disk once `synced(session)` returns (the caller must await it)."""
-        if self.journal_dir:  # vars(), not asdict(): what a Call holds is only written, no deep copy needed
-            self._append(session.id, {"t": "call", **vars(call)}, sync)
-        session.calls.append(call)
+    def record(self, session: Session, call: Call, sync: bool = False) -> None:
+        """The call joins its session (stored as what it adds to its parent) and is written to the journal;
+        sync=True: fsynced too before this returns (on the caller's thread)."""
+        session.attach(call)
+        if self.journal_dir:
+            base = call.base
+            self._append(session.id, {"t": "call", **captured(call), "base": base and base.index,
+                                      "prompt_suffix": call.prompt_suffix,
+                                      "request": request_delta(call.request, base and base.request)}, sync)
 
     def stop(self, session: Session, why: str) -> None:
         """The proxy answered a clean stop (budget, context): journaled like a call, once per reason."""
@@ -164,7 +198,7 @@ class SessionStore:
             self._append(session.id, {"t": "stop", "why": why})
 
     def set_policy_version(self, session: Session, version: int, model: str | None = None,
-                           sync: bool = True) -> None:
+                           sync: bool = False) -> None:
         """From now on the session's calls are stamped `version` and sent to `model` (None: its served model)."""
         session.policy_version, session.sampling_model = version, model
         self._append(session.id, {"t": "version", "policy_version": version, "model": session.sampling_model},
@@ -180,3 +214,18 @@ class SessionStore:
         if session and self.journal_dir:
             (self.journal_dir / f"{session_id}.jsonl").unlink(missing_ok=True)
         return session is not None
+
+
+def restored(session: Session, record: dict) -> Call:
+    """A journaled call as it was recorded: its whole prompt and request rebuilt from its parent's."""
+    base_index = record.pop("base", None)
+    if "prompt_token_ids" in record:  # a journal written before calls were stored as suffixes: whole
+        record["prompt_suffix"], base_index = record.pop("prompt_token_ids"), None
+    if base_index is not None and not (isinstance(base_index, int) and 0 <= base_index < len(session.calls)):
+        raise Unreadable(f"call {record.get('index')} continues call {base_index!r}, which is not in the journal")
+    base = None if base_index is None else session.calls[base_index]
+    try:
+        request = whole_request(record.get("request") or {}, base and base.request)
+        return Call(**dict(record, request=session.share(request)), base=base)
+    except (TypeError, ValueError) as exc:
+        raise Unreadable(f"call {record.get('index')} cannot be rebuilt ({exc})") from None

@@ -170,10 +170,11 @@ class CapturedSession:
         return validated_trace(self.trace_json(), f"rollout {self.episode_id} ({self.task.name})")
 
     def trace_json(self) -> bytes:
-        """The captured turns as the proxy sent them, not yet validated (`validated_trace`)."""
+        """The captured turns as the proxy sent them (its compact form: traces/compact.py), not yet validated
+        (`validated_trace`)."""
         if self.capture is None:
             raise ProxyError(self.error or "no capture session")
-        return self.factory.proxy.trace_json(self.capture["id"])
+        return self.factory.proxy.trace_json(self.capture["id"], compact=True)
 
     def proxy_stops(self) -> list[str]:
         """Clean stops the proxy answered (call budget, context overflow), and the last call's failure at the engine."""

@@ -19,14 +19,22 @@ import threading
 import types
 from pathlib import Path
 
+from harness_trainer import fastjson
+from harness_trainer.traces.compact import expand
+
 HEADER = struct.Struct("<Q")
+COMPACT_START = b'{"form":"compact"'  # how the proxy's compact trace begins (proxy/session.py: compact_trace)
 log = logging.getLogger("harness_trainer")
 
 
 def breach(contract, body: bytes) -> str | None:
-    """What `contract` (OpenEnv's TrainingTrace) finds wrong with a trace, or None."""
+    """What `contract` (OpenEnv's TrainingTrace) finds wrong with a trace (whole, or compact: made whole first), or
+    None."""
     try:
-        contract.model_validate_json(body)
+        if body.startswith(COMPACT_START):
+            contract.model_validate(expand(fastjson.loads(body)))
+        else:
+            contract.model_validate_json(body)
     except ValueError as exc:
         return str(exc)
     return None

@@ -1,6 +1,7 @@
 """A finished rollout's trace: fetched from the proxy and read on one thread for the whole pool, checked by OpenEnv's
 own validator in a process of its own (trace_check.py), kept as its wire form with its repeats shared
-(traces/sharing.py)."""
+(traces/sharing.py). The proxy ships it compact (each token once, traces/compact.py): it is made whole here and, for
+the check, in the checker's process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from openenv.core.harness.training import TrainingTrace
 from harness_trainer import fastjson
 from harness_trainer._exceptions import CaptureContractError
 from harness_trainer.rollouts.trace_check import Checker
+from harness_trainer.traces.compact import expand
 from harness_trainer.traces.sharing import share_trace
 
 # Every trace is fetched and read on this one thread: read on each rollout's own, its ~10 MB of objects came from
@@ -26,7 +28,9 @@ def contract_broken(what: str, finding) -> CaptureContractError:
 
 def validated_trace(body: bytes, what: str) -> TrainingTrace:
     try:
-        return TrainingTrace.model_validate_json(body)
+        wire = fastjson.loads(body)
+        return TrainingTrace.model_validate(expand(wire)) if isinstance(wire, dict) and "form" in wire \
+            else TrainingTrace.model_validate_json(body)
     except ValueError as exc:
         raise contract_broken(what, exc) from None
 
@@ -41,7 +45,7 @@ def collect_trace(fetch: Callable[[], bytes], what: str) -> dict:
     def read() -> tuple[bytes, dict | None]:
         body = fetch()
         try:
-            return body, share_trace(fastjson.loads(body))
+            return body, share_trace(expand(fastjson.loads(body)))
         except ValueError:  # not JSON: the check says what is wrong
             return body, None
 

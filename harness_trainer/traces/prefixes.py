@@ -86,3 +86,46 @@ def root_break(prompt: Sequence[int], before_prompt: Sequence[int], before_full:
     else:
         reason = "history rewritten"
     return {"at": at, "prompt_tokens": len(before_prompt), "reason": reason}
+
+
+class PrefixIndex:
+    """Sequences (arrays of ids) added one at a time; `longest(seq)` is the added one that is the longest exact
+    prefix of `seq`, among equal ones the first added. The proxy keeps each call's prompt+completion here as it is
+    recorded, so a new call finds its prefix parent at once and is stored as what it adds to it.
+
+    A sequence is named as in `longest_prefix_parents` (its length, the chained hashes of its whole chunks, and its
+    tail), each chunk hashed as bytes: one C call per 64 ids. Only one key per sequence is kept, never its ids."""
+
+    def __init__(self):
+        self._by_key: dict[tuple[int, int], object] = {}
+        self._lengths: list[int] = []  # distinct lengths added, longest first
+
+    @staticmethod
+    def hashes(seq, known: list[int] | None = None) -> list[int]:
+        """hashes[j] names seq[:j * CHUNK]; `known`: the hashes of a prefix of seq, continued from."""
+        hashes = list(known) if known else [0]
+        h = hashes[-1]
+        for start in range((len(hashes) - 1) * CHUNK, len(seq) - CHUNK + 1, CHUNK):
+            h = hash((h, seq[start:start + CHUNK].tobytes()))
+            hashes.append(h)
+        return hashes
+
+    @staticmethod
+    def key(seq, hashes: list[int], length: int) -> tuple[int, int]:
+        whole = length // CHUNK
+        return length, hash((hashes[whole], seq[whole * CHUNK:length].tobytes()))
+
+    def add(self, seq, hashes: list[int], value) -> None:
+        if self._by_key.setdefault(self.key(seq, hashes, len(seq)), value) is value and len(seq) not in self._lengths:
+            self._lengths.append(len(seq))
+            self._lengths.sort(reverse=True)
+
+    def longest(self, seq, hashes: list[int], confirm) -> object | None:
+        """The value of the longest added prefix of seq for which `confirm(value, length)` holds (a hash can
+        collide: the caller compares the ids once)."""
+        for length in self._lengths:
+            if length <= len(seq):
+                value = self._by_key.get(self.key(seq, hashes, length))
+                if value is not None and confirm(value, length):
+                    return value
+        return None

@@ -161,7 +161,7 @@ def test_e2b_without_credentials_is_a_clear_error_with_no_network(monkeypatch):
 class TraceBreakingClient(ProxyClient):
     """A stub of the proxy's client for fault injection: a real proxy never exports a broken trace."""
 
-    def trace_json(self, session_id):
+    def trace_json(self, session_id, compact=False):  # answers the whole form: the reader takes either
         wire = super().trace(session_id)
         wire["turns"][0]["per_token_logps"][0] = 0.5  # a positive logprob breaks the contract
         return json.dumps(wire).encode()

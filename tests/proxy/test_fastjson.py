@@ -33,3 +33,21 @@ def test_what_orjson_cannot_write_is_written_as_json_writes_it(value):
 def test_a_body_that_is_not_json_raises_what_json_raises(body):
     with pytest.raises((ValueError, UnicodeDecodeError)):
         fastjson.loads(body)
+
+
+def test_prompt_ids_are_read_into_an_array_only_where_they_are_the_answers_own():
+    from array import array
+
+    ids = list(range(200_000))
+    body = fastjson.dumps({"id": "x", "prompt_token_ids": ids, "choices": [{"token_ids": [1, 2]}]})
+    answer, read = fastjson.loads_ids(body)
+    assert read == array("i", ids) and answer["prompt_token_ids"] is None
+    assert answer["choices"][0]["token_ids"] == [1, 2]
+    # inside a string, nested, spaced or not ids: read as usual, nothing lost
+    for odd in ({"content": '"prompt_token_ids":[1]', "prompt_token_ids": [5]},
+                {"choices": [{"prompt_token_ids": [1, 2]}]}, {"prompt_token_ids": [1, None]},
+                {"prompt_token_ids": [1, 2 ** 40]}):
+        answer, read = fastjson.loads_ids(fastjson.dumps(odd))
+        assert (answer, read) == (odd, None) or (read == array("i", odd["prompt_token_ids"])
+                                                 and answer == dict(odd, prompt_token_ids=None))
+    assert fastjson.loads_ids(b'{"prompt_token_ids": [1, 2]}') == ({"prompt_token_ids": [1, 2]}, None)

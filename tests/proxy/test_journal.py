@@ -7,18 +7,19 @@ test_capture.py's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 
 from harness_trainer.proxy import store as store_module
-from harness_trainer.proxy.session import Call
+from harness_trainer.proxy.session import Call, training_trace
 from harness_trainer.proxy.store import SessionStore
 
 
 def _call(index: int) -> Call:
     return Call(index=index, dialect="chat", stream=False, policy_version=0, n_tools=0,
                 request={"messages": [{"role": "user", "content": "hi"}]}, sampling_params={},
-                requested_sampling_params={}, prompt_token_ids=[1, 2], completion_token_ids=[3],
+                requested_sampling_params={}, prompt_suffix=[1, 2], completion_token_ids=[3],
                 per_token_logps=[-0.5], message={"role": "assistant", "content": "x"}, finish_reason="stop")
 
 
@@ -100,3 +101,76 @@ def test_a_finished_fsync_whose_callbacks_have_not_run_does_not_hang_the_loop(tm
     thread.join(60)  # a bound for a spinning loop only: the scenario itself takes milliseconds
     assert returned.is_set() and not thread.is_alive()
     assert [line for line in (tmp_path / "s1.jsonl").read_text().splitlines() if '"call"' in line]
+
+
+def _turn(index: int, prompt: list[int], completion: list[int], messages: list[dict]) -> Call:
+    return Call(index=index, dialect="chat", stream=False, policy_version=0, n_tools=1,
+                request={"messages": messages, "tools": [{"type": "function"}]}, sampling_params={},
+                requested_sampling_params={}, prompt_suffix=prompt, completion_token_ids=completion,
+                per_token_logps=[-0.25] * len(completion), message={"role": "assistant", "content": "x"},
+                finish_reason="stop")
+
+
+def _forked_rollout(store: SessionStore):
+    """0 -> 1 -> 2, then 3 forks from 1 (its parent two records back), then 4 rewrites the history (a root)."""
+    session = store.create(upstream="http://e", model="tiny", session_id="fork")
+    system = [{"role": "system", "content": "s"}]
+    turns = [([1, 2, 3], [10, 11]), ([1, 2, 3, 10, 11, 4], [12]), ([1, 2, 3, 10, 11, 4, 12, 5], [13]),
+             ([1, 2, 3, 10, 11, 4, 12, 6, 6], [14]), ([1, 9], [15])]
+    for k, (prompt, completion) in enumerate(turns):
+        store.record(session, _turn(k, prompt, completion, system + [{"role": "user", "content": f"{j}"}
+                                                                      for j in range(k + 1)]))
+    return session, turns
+
+
+def _same_calls(reloaded, recorded) -> None:
+    assert len(reloaded.calls) == len(recorded)
+    for again, call in zip(reloaded.calls, recorded):
+        assert list(again.prompt_token_ids) == list(call.prompt_token_ids)
+        assert again.request == call.request and (again.base and again.base.index) == (call.base and call.base.index)
+
+
+def test_calls_are_journaled_as_what_they_add_to_their_parent_and_reload_exactly(tmp_path):
+    store = SessionStore(tmp_path)
+    session, turns = _forked_rollout(store)
+    records = [json.loads(line) for line in (tmp_path / "fork.jsonl").read_text().splitlines()][1:]
+    assert [r["base"] for r in records] == [None, 0, 1, 1, None]
+    assert [r["prompt_suffix"] for r in records] == [[1, 2, 3], [4], [5], [6, 6], [1, 9]]
+    assert records[2]["request"]["extends"] == 3 and len(records[2]["request"]["messages"]) == 1
+    assert records[2]["request"]["same_tools"] is True and "tools" not in records[2]["request"]
+    assert [list(c.prompt_token_ids) for c in session.calls] == [prompt for prompt, _ in turns]
+    _same_calls(SessionStore(tmp_path).sessions["fork"], session.calls)
+    assert training_trace(SessionStore(tmp_path).sessions["fork"]) == training_trace(session)
+
+
+def test_a_torn_last_delta_record_is_skipped_and_the_rest_kept(tmp_path):
+    store = SessionStore(tmp_path)
+    session, _ = _forked_rollout(store)
+    path = tmp_path / "fork.jsonl"
+    path.write_bytes(path.read_bytes()[:-20])  # killed in the middle of writing call 4
+    _same_calls(SessionStore(tmp_path).sessions["fork"], session.calls[:4])
+
+
+def test_a_record_whose_parent_is_missing_ends_the_reading_there_and_says_so(tmp_path, capsys):
+    store = SessionStore(tmp_path)
+    session, _ = _forked_rollout(store)
+    path = tmp_path / "fork.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:2] + lines[3:]))  # call 1 lost: call 2 (now the second) continues it
+    reloaded = SessionStore(tmp_path).sessions["fork"]
+    _same_calls(reloaded, session.calls[:1])
+    assert "continues call 1, which is not in the journal" in capsys.readouterr().err
+
+
+def test_a_journal_of_whole_calls_from_before_still_reloads(tmp_path):
+    """Journals written before calls were stored as suffixes: each call whole, no base."""
+    (tmp_path / "old.jsonl").write_text(
+        json.dumps({"t": "session", "id": "old", "upstream": "http://e", "model": "tiny", "policy": {}}) + "\n"
+        + "".join(json.dumps({"t": "call", **{k: v for k, v in vars(_turn(k, p, c, [])).items()
+                                            if k not in ("base", "prompt_key", "prompt_tokens", "prompt_suffix")},
+                              "per_token_logps": [-0.25] * len(c), "prompt_token_ids": p,
+                              "completion_token_ids": c}) + "\n"
+                  for k, (p, c) in enumerate([([1, 2], [3]), ([1, 2, 3, 4], [5])])))
+    reloaded = SessionStore(tmp_path).sessions["old"]
+    assert [list(c.prompt_token_ids) for c in reloaded.calls] == [[1, 2], [1, 2, 3, 4]]
+    assert reloaded.calls[1].base is reloaded.calls[0] and list(reloaded.calls[1].prompt_suffix) == [4]

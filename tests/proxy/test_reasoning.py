@@ -75,7 +75,7 @@ def call(index, prompt, completion, reasoning=None):
     message = {"role": "assistant", "content": "x", **({"reasoning": reasoning} if reasoning else {})}
     return Call(index=index, dialect="chat", stream=False, policy_version=0, n_tools=1,
                 request={"messages": [], "tools": None}, sampling_params={}, requested_sampling_params={},
-                prompt_token_ids=prompt, completion_token_ids=completion, per_token_logps=[-0.5] * len(completion),
+                prompt_suffix=prompt, completion_token_ids=completion, per_token_logps=[-0.5] * len(completion),
                 message=message, finish_reason="stop")
 
 

@@ -15,7 +15,7 @@ from harness_trainer.proxy.session import Call, Session, parents, roles, trainin
 def call(index, prompt, completion, tools=1, problem=None):
     return Call(index=index, dialect="chat", stream=False, policy_version=index // 2, n_tools=tools,
                 request={"messages": [], "tools": None}, sampling_params={"temperature": 1.0},
-                requested_sampling_params={}, prompt_token_ids=prompt, completion_token_ids=completion,
+                requested_sampling_params={}, prompt_suffix=prompt, completion_token_ids=completion,
                 per_token_logps=[-0.5] * len(completion), message={"role": "assistant", "content": "x"},
                 finish_reason="stop", problem=problem)
 
@@ -90,13 +90,13 @@ def test_a_session_holds_its_ids_as_arrays_and_its_repeated_texts_once_and_expor
         messages = [{"role": "system", "content": "agent"}, {"role": "user", "content": (result + "!")[:-1]}] + \
             [{"role": "user", "content": f"turn {j}"} for j in range(k)]
         request = session.share({"messages": messages, "tools": [dict(t) for t in tools]})
-        session.calls.append(Call(**{**vars(call(k, list(range(70_000 + k)), [7, 8])), "request": request}))
+        session.attach(Call(**{**vars(call(k, list(range(70_000 + k)), [7, 8])), "request": request}))
     first, last = session.calls[0], session.calls[-1]
-    assert isinstance(first.prompt_token_ids, array) and isinstance(first.per_token_logps, array)
+    assert isinstance(first.prompt_suffix, array) and isinstance(first.per_token_logps, array)
     assert last.request["messages"][1]["content"] is first.request["messages"][1]["content"]
     assert last.request["tools"] is first.request["tools"] == tools
     exported = rollout_document(session)["calls"][-1]
     assert exported["prompt_token_ids"] == list(range(70_002)) and exported["per_token_logps"] == [-0.5, -0.5]
     assert type(exported["prompt_token_ids"]) is list
-    assert fastjson.loads(fastjson.dumps(vars(last)))["prompt_token_ids"] == list(range(70_002))  # the journal
+    assert fastjson.loads(fastjson.dumps(last.prompt_suffix)) == list(range(70_002))  # the journal's form
     TrainingTrace.model_validate(training_trace(session))

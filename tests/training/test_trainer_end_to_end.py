@@ -128,7 +128,7 @@ def test_a_stopped_pool_writes_what_finished_and_stops_what_runs(proxy, tmp_path
 class TraceBreakingClient(ProxyClient):
     """A stub of the proxy's client for fault injection: a real proxy never exports a broken trace."""
 
-    def trace_json(self, session_id):
+    def trace_json(self, session_id, compact=False):  # answers the whole form: the reader takes either
         wire = super().trace(session_id)
         wire["turns"][0]["loss_mask"][0] = 1  # a trainable prompt token breaks the contract
         return json.dumps(wire).encode()
