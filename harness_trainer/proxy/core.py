@@ -94,13 +94,12 @@ class Capture:
         return self.model
 
     def new_session(self, body: dict) -> Session:
-        """Called by the control routes (after `served_model` resolved the model), which await its journal's
-        fsync (`SessionStore.synced`) before they answer."""
+        """Called by the control routes (after `served_model` resolved the model): journaled before they answer."""
         return self.store.create(
             upstream=body.get("upstream") or self.pool.pick(), model=body["model"], session_id=body.get("id"),
             policy=SamplingPolicy.from_dict(body.get("policy")), max_model_calls=body.get("max_model_calls"),
             policy_version=int(body.get("policy_version", self.store.current_version)),
-            metadata=body.get("metadata") or {}, sync=False)
+            metadata=body.get("metadata") or {})
 
     async def route(self, request: Request, *, reverse: bool) -> Reply | CallInFlight | None:
         """Fails closed: a call that did not go through the whole capture path is refused, never forwarded as

@@ -13,7 +13,7 @@ journal/<session id>.jsonl holds one JSON record a line:
 A torn last line (a kill -9 during a write) is skipped on reload; everything before it is kept. A record that
 cannot be rebuilt (its parent missing) ends the file's reading there, said in the proxy's log.
 
-What the journal promises (docs/design.md, "The journal"): a record is written (the kernel has it) before it is
+What the journal promises (docs/design/proxy.md, "Nothing lost"): a record is written (the kernel has it) before it is
 acknowledged (the answer's last byte, a session's key, a policy version's 200), so a proxy killed at any point -
 kill -9, out of memory, a crash - loses nothing it acknowledged. Surviving the machine itself (power, a kernel
 panic) is the disk's part: every written file is fsynced within FSYNC_EVERY_S, off the event loop, in one
@@ -57,24 +57,21 @@ class SessionStore:
         self.in_flight: dict[str, int] = {}  # model name -> calls sent upstream and not yet answered
         self.journal_dir = Path(journal_dir) if journal_dir else None
         self.unsynced: set[str] = set()  # sessions whose journal has writes not yet fsynced
-        self._syncing: dict[str, asyncio.Future] = {}  # a session's fsync under way
         if self.journal_dir:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
             self._reload()
 
-    def _append(self, session_id: str, record: dict, sync: bool = False) -> None:
+    def _append(self, session_id: str, record: dict) -> None:
+        """Written now (what the journal promises); fsynced by the next `sync_all`."""
         if not self.journal_dir:
             return
         line = fastjson.dumps(record) + b"\n"
         fd = os.open(self.journal_dir / f"{session_id}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line)
-            if sync:
-                os.fsync(fd)
         finally:
             os.close(fd)
-        if not sync:
-            self.unsynced.add(session_id)
+        self.unsynced.add(session_id)
 
     def _fsync(self, session_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile: nothing left to keep
@@ -84,40 +81,26 @@ class SessionStore:
             finally:
                 os.close(fd)
 
-    async def synced(self, session: Session) -> None:
-        """Returns once everything written to the session's journal is on disk (the fsync off the event loop)."""
-        sid = session.id
-        while True:
-            running = self._syncing.get(sid)
-            if running is not None and running.done():
-                # Finished, its callbacks maybe not run yet: awaiting a finished future does not yield to the loop,
-                # so waiting here for the callback to forget it spun forever (the whole proxy hung, seen under load).
-                self._forget(sid, running)
-                running.result()  # an fsync that failed fails its waiters
-                running = None
-            if running is None:
-                if sid not in self.unsynced:
-                    return
-                self.unsynced.discard(sid)  # what is written from here on waits for the next fsync
-                running = self._syncing[sid] = asyncio.ensure_future(asyncio.to_thread(self._fsync, sid))
-                running.add_done_callback(lambda done: self._forget(sid, done))
-            await asyncio.shield(running)
-
     async def keep_synced(self, every_s: float = FSYNC_EVERY_S) -> None:
         """Runs for the proxy's life: what was written is fsynced within `every_s`, the files one after another
         in one thread (1,024 sessions' fsyncs at once would be 1,024 threads' worth of the loop's executor)."""
         while True:
             await asyncio.sleep(every_s)
-            await self.sync_all()
+            try:
+                await self.sync_all()
+            except OSError as exc:  # the disk failed: said, and its files tried again next round
+                print(f"capture proxy: the journal could not be synced to disk ({exc}); trying again",
+                      file=sys.stderr, flush=True)
 
     async def sync_all(self) -> None:
+        """Everything written so far is on disk once this returns; what is written meanwhile waits for the next."""
         if self.unsynced and self.journal_dir:
-            written, self.unsynced = self.unsynced, set()  # what is written from here on waits for the next round
-            await asyncio.to_thread(lambda: [self._fsync(sid) for sid in sorted(written)])
-
-    def _forget(self, session_id: str, done: asyncio.Future) -> None:
-        if self._syncing.get(session_id) is done:  # not a newer fsync of the same file
-            del self._syncing[session_id]
+            written, self.unsynced = self.unsynced, set()
+            try:
+                await asyncio.to_thread(lambda: [self._fsync(sid) for sid in sorted(written)])
+            except BaseException:
+                self.unsynced |= written  # not known to be on disk
+                raise
 
     def set_current(self, version: int, model: str | None) -> None:
         """The version (and model) sessions minted from now on start at."""
@@ -167,7 +150,7 @@ class SessionStore:
 
     def create(self, *, upstream: str, model: str, session_id: str | None = None,
                policy: SamplingPolicy | None = None, max_model_calls: int | None = None,
-               policy_version: int = 0, metadata: dict | None = None, sync: bool = False) -> Session:
+               policy_version: int = 0, metadata: dict | None = None) -> Session:
         session_id = session_id or "hs-" + secrets.token_urlsafe(18).replace("-", "x").replace("_", "y")
         if not SESSION_ID.match(session_id):
             raise ValueError(f"session id {session_id!r} must match {SESSION_ID.pattern}")
@@ -177,19 +160,18 @@ class SessionStore:
                           policy=policy or SamplingPolicy(), max_model_calls=max_model_calls,
                           policy_version=policy_version, sampling_model=self.current_model, metadata=metadata or {})
         kept = {k: v for k, v in asdict(session).items() if k not in NOT_JOURNALED}
-        self._append(session.id, {"t": "session", **kept}, sync)
+        self._append(session.id, {"t": "session", **kept})
         self.sessions[session.id] = session
         return session
 
-    def record(self, session: Session, call: Call, sync: bool = False) -> None:
-        """The call joins its session (stored as what it adds to its parent) and is written to the journal;
-        sync=True: fsynced too before this returns (on the caller's thread)."""
+    def record(self, session: Session, call: Call) -> None:
+        """The call joins its session (stored as what it adds to its parent) and is written to its journal."""
         session.attach(call)
         if self.journal_dir:
             base = call.base
             self._append(session.id, {"t": "call", **captured(call), "base": base and base.index,
                                       "prompt_suffix": call.prompt_suffix,
-                                      "request": request_delta(call.request, base and base.request)}, sync)
+                                      "request": request_delta(call.request, base and base.request)})
 
     def stop(self, session: Session, why: str) -> None:
         """The proxy answered a clean stop (budget, context): journaled like a call, once per reason."""
@@ -197,12 +179,10 @@ class SessionStore:
             session.stops.append(why)
             self._append(session.id, {"t": "stop", "why": why})
 
-    def set_policy_version(self, session: Session, version: int, model: str | None = None,
-                           sync: bool = False) -> None:
+    def set_policy_version(self, session: Session, version: int, model: str | None = None) -> None:
         """From now on the session's calls are stamped `version` and sent to `model` (None: its served model)."""
         session.policy_version, session.sampling_model = version, model
-        self._append(session.id, {"t": "version", "policy_version": version, "model": session.sampling_model},
-                     sync)
+        self._append(session.id, {"t": "version", "policy_version": version, "model": session.sampling_model})
 
     def move(self, session: Session, upstream: str) -> None:
         """Pin a session that has made no call yet to another engine (its own was lost)."""

@@ -1,61 +1,92 @@
 """Parent of each model call: the call whose prompt+completion is the longest exact prefix of its prompt.
 
 Comparing every pair of calls token by token is quadratic in turns times tokens: 200 turns of a 100k-token
-history is billions of comparisons. Instead every sequence gets chained hashes of its whole 64-token chunks
-(C-speed tuple hashing, one Python step per chunk), so any prefix of length l is named by
+history is billions of comparisons. Instead every sequence (an array of ids) gets chained hashes of its whole
+64-token chunks (each chunk hashed as bytes: one C call per 64 ids), so any prefix of length l is named by
 
-    (l, hash of its first l // 64 chunks, the tuple of its last l % 64 tokens)
+    (l, hash of its first l // 64 chunks and of its last l % 64 tokens)
 
-and "is sequence c a prefix of prompt p" is one dict look-up. Each call tries the distinct candidate lengths
-that fit its prompt, longest first; a hit is confirmed token by token once (hashes can collide). Cost: linear
-in the tokens, plus (turns x distinct lengths) look-ups. Torch- and numpy-free: the proxy uses it too.
+and "is sequence c a prefix of prompt p" is one dict look-up (`PrefixIndex`). Each call tries the distinct
+candidate lengths that fit its prompt, longest first; a hit is confirmed token by token once (hashes can collide).
+Cost: linear in the tokens, plus (turns x distinct lengths) look-ups. Torch- and numpy-free: the proxy uses it
+too, recording each call into an index as it comes (proxy/session.py: `Session.attach`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
 
 CHUNK = 64
 
 
-def _chunk_hashes(seq: Sequence[int]) -> list[int]:
-    """hashes[j] names seq[:j * CHUNK]."""
-    hashes, h = [0], 0
-    for start in range(0, len(seq) - CHUNK + 1, CHUNK):
-        h = hash((h, tuple(seq[start:start + CHUNK])))
-        hashes.append(h)
-    return hashes
+class PrefixIndex:
+    """Sequences added one at a time, each with a value; `longest(seq)` is the value of the longest added
+    sequence that is an exact prefix of `seq` (among equal ones, the first added that `confirm` accepts). Only a
+    key per sequence is kept, never its ids."""
+
+    def __init__(self):
+        self._by_key: dict[tuple[int, int], list] = {}
+        self._lengths: list[int] = []  # distinct lengths added, longest first
+
+    @staticmethod
+    def hashes(seq: array, known: list[int] | None = None) -> list[int]:
+        """hashes[j] names seq[:j * CHUNK]; `known`: the hashes of a prefix of seq, continued from."""
+        hashes = list(known) if known else [0]
+        h = hashes[-1]
+        for start in range((len(hashes) - 1) * CHUNK, len(seq) - CHUNK + 1, CHUNK):
+            h = hash((h, seq[start:start + CHUNK].tobytes()))
+            hashes.append(h)
+        return hashes
+
+    @staticmethod
+    def key(seq: array, hashes: list[int], length: int) -> tuple[int, int]:
+        whole = length // CHUNK
+        return length, hash((hashes[whole], seq[whole * CHUNK:length].tobytes()))
+
+    def add(self, seq: array, hashes: list[int], value) -> None:
+        self._by_key.setdefault(self.key(seq, hashes, len(seq)), []).append(value)
+        if len(seq) not in self._lengths:
+            self._lengths.append(len(seq))
+            self._lengths.sort(reverse=True)
+
+    def longest(self, seq: array, hashes: list[int], confirm: Callable[[object, int], bool]):
+        """The first value, longest first, for which `confirm(value, length)` holds (it compares the ids), or
+        None."""
+        for length in self._lengths:
+            if length <= len(seq):
+                for value in self._by_key.get(self.key(seq, hashes, length), ()):
+                    if confirm(value, length):
+                        return value
+        return None
 
 
-def _key(seq: Sequence[int], hashes: list[int], length: int) -> tuple:
-    whole = length // CHUNK
-    return length, hashes[whole], tuple(seq[whole * CHUNK:length])
+def _ids(seq: Sequence[int]) -> array | None:
+    """The ids as an array, or None where they are not ids (an engine's None or float: such a call is not
+    trained, and it neither has nor is a parent)."""
+    if isinstance(seq, array):
+        return seq
+    try:
+        return array("i", seq)
+    except (TypeError, OverflowError):
+        return None
 
 
 def longest_prefix_parents(prompts: list[Sequence[int]], fulls: list[Sequence[int]],
                            eligible: list[bool] | None = None) -> list[int | None]:
     """For each i, the index j != i whose fulls[j] is the longest exact prefix of prompts[i] (None if none);
     among identical fulls the earliest. `eligible[j]` False keeps j from being anyone's parent."""
-    by_key: dict[tuple, int] = {}
-    for j, full in enumerate(fulls):
-        if eligible is None or eligible[j]:
-            by_key.setdefault(_key(full, _chunk_hashes(full), len(full)), j)
-    lengths = sorted({key[0] for key in by_key}, reverse=True)
+    index, full_ids = PrefixIndex(), [_ids(full) for full in fulls]
+    for j, full in enumerate(full_ids):
+        if full is not None and (eligible is None or eligible[j]):
+            index.add(full, index.hashes(full), j)
     parents: list[int | None] = []
-    for i, prompt in enumerate(prompts):
-        hashes, found = _chunk_hashes(prompt), None
-        for length in lengths:
-            if length > len(prompt):
-                continue
-            key = _key(prompt, hashes, length)
-            j = by_key.get(key)
-            if j is not None and j == i:  # a call is never its own parent: look for an identical other
-                j = next((k for k, f in enumerate(fulls) if k != i and (eligible is None or eligible[k])
-                          and len(f) == length and list(f) == list(prompt[:length])), None)
-            if j is not None and list(fulls[j]) == list(prompt[:length]):
-                found = j
-                break
-        parents.append(found)
+    for i, prompt in enumerate(map(_ids, prompts)):
+        if prompt is None:
+            parents.append(None)
+            continue
+        parents.append(index.longest(prompt, index.hashes(prompt),
+                                     lambda j, n, i=i, prompt=prompt: j != i and full_ids[j] == prompt[:n]))
     return parents
 
 
@@ -87,45 +118,3 @@ def root_break(prompt: Sequence[int], before_prompt: Sequence[int], before_full:
         reason = "history rewritten"
     return {"at": at, "prompt_tokens": len(before_prompt), "reason": reason}
 
-
-class PrefixIndex:
-    """Sequences (arrays of ids) added one at a time; `longest(seq)` is the added one that is the longest exact
-    prefix of `seq`, among equal ones the first added. The proxy keeps each call's prompt+completion here as it is
-    recorded, so a new call finds its prefix parent at once and is stored as what it adds to it.
-
-    A sequence is named as in `longest_prefix_parents` (its length, the chained hashes of its whole chunks, and its
-    tail), each chunk hashed as bytes: one C call per 64 ids. Only one key per sequence is kept, never its ids."""
-
-    def __init__(self):
-        self._by_key: dict[tuple[int, int], object] = {}
-        self._lengths: list[int] = []  # distinct lengths added, longest first
-
-    @staticmethod
-    def hashes(seq, known: list[int] | None = None) -> list[int]:
-        """hashes[j] names seq[:j * CHUNK]; `known`: the hashes of a prefix of seq, continued from."""
-        hashes = list(known) if known else [0]
-        h = hashes[-1]
-        for start in range((len(hashes) - 1) * CHUNK, len(seq) - CHUNK + 1, CHUNK):
-            h = hash((h, seq[start:start + CHUNK].tobytes()))
-            hashes.append(h)
-        return hashes
-
-    @staticmethod
-    def key(seq, hashes: list[int], length: int) -> tuple[int, int]:
-        whole = length // CHUNK
-        return length, hash((hashes[whole], seq[whole * CHUNK:length].tobytes()))
-
-    def add(self, seq, hashes: list[int], value) -> None:
-        if self._by_key.setdefault(self.key(seq, hashes, len(seq)), value) is value and len(seq) not in self._lengths:
-            self._lengths.append(len(seq))
-            self._lengths.sort(reverse=True)
-
-    def longest(self, seq, hashes: list[int], confirm) -> object | None:
-        """The value of the longest added prefix of seq for which `confirm(value, length)` holds (a hash can
-        collide: the caller compares the ids once)."""
-        for length in self._lengths:
-            if length <= len(seq):
-                value = self._by_key.get(self.key(seq, hashes, length))
-                if value is not None and confirm(value, length):
-                    return value
-        return None

@@ -42,6 +42,14 @@ def test_parents_by_longest_exact_prefix_in_any_order():
         assert parents(shuffled) == expected
 
 
+def test_a_sessions_graph_recorded_call_by_call_is_the_same_as_from_the_ids_alone():
+    """A session finds each call's parent as it is recorded (its base, kept as a suffix of it); in arrival order
+    that is what the order-independent search finds."""
+    session = Session(id="s", upstream="http://u", model="tiny", calls=CALLS)
+    assert session.graph()[0] == parents(CALLS)
+    assert [len(c.prompt_suffix) for c in session.calls] == [6, 1, 1, 1, 1, 1, 3, 4]
+
+
 def test_roles_retry_auxiliary_and_rewritten_history():
     assert roles(CALLS) == {0: "agent", 1: "agent", 2: "discarded", 3: "agent", 4: "agent", 5: "agent",
                             6: "auxiliary", 7: "agent"}
