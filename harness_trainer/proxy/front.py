@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import traceback
 from http import HTTPStatus
 
 from harness_trainer.proxy.core import Capture
@@ -140,19 +142,23 @@ class Front:
         call = result
         try:
             answer = await self.upstream.post(call.url, call.body, stream=call.stream)
-            if call.stream and answer.status == 200:
-                return await self._stream(call, answer, writer)
-            body = await answer.read()
-        except UpstreamError as exc:
-            self.capture.engine_answered(call, str(exc))
+            body = None if call.stream and answer.status == 200 else await answer.read()
+        except Exception as exc:  # an agent always gets an answer: a 502 that says why, at worst
+            why = str(exc) if isinstance(exc, UpstreamError) else \
+                f"the capture proxy failed calling the engine ({type(exc).__name__}: {exc})"
+            if not isinstance(exc, UpstreamError):  # a defect of the proxy: its log has the traceback
+                traceback.print_exc(file=sys.stderr)
+            self.capture.engine_answered(call, why)
             await self.capture.failed(call)
-            writer.write(reply_bytes(json_reply(502, call.dialect.error(502, str(exc))), keep))
+            writer.write(reply_bytes(json_reply(502, call.dialect.error(502, why)), keep))
             await writer.drain()
             return True
-        except BaseException:  # the agent went away, or the proxy is stopping
+        except BaseException:  # the proxy is stopping
             if not call.released:
                 await self.capture.failed(call)
             raise
+        if body is None:
+            return await self._stream(call, answer, writer)
         writer.write(reply_bytes(await self.capture.answer(call, answer.status, body), keep))
         await writer.drain()
         return True

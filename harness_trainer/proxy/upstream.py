@@ -115,8 +115,10 @@ class Upstream:
         key = (parts.hostname or "127.0.0.1", parts.port or 80)
         head = (b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
                 % ((parts.path or "/").encode(), parts.netloc.encode(), len(body)))
-        for _ in range(2):
-            idle = None if stream else self._take(key)
+        for attempt in range(2):
+            # the second try is on a new connection: two kept ones can both have been closed by the engine (a call
+            # that found two so was cut off unanswered at 1,024 sessions: the loop then ran out of tries)
+            idle = None if stream or attempt else self._take(key)
             try:
                 if idle is None:
                     reader, writer = await asyncio.wait_for(asyncio.open_connection(*key, limit=LIMIT), CONNECT_S)

@@ -90,3 +90,82 @@ def test_an_engine_connection_closed_while_idle_is_not_the_agents_failure(proxy,
         link.drop()  # the proxy's kept connection to the engine is reset between two calls
     assert len(proxy.client.rollout(session["id"])["calls"]) == 3
     link.cut()
+
+
+class ClosesAfterOneAnswer:
+    """A stub engine whose kept connections are closed by it when the next request comes (as a server whose
+    keep-alive timeout ends just then): a real vLLM cannot be made to do that on demand. The first request of
+    each connection waits until `together` have come, so the proxy holds that many connections to it. Its
+    answers are bench/template_engine.py's (vLLM-shaped: prompt ids, sampled ids, logprobs)."""
+
+    def __init__(self, together: int):
+        import threading
+
+        import template_engine
+
+        self.answer, self.barrier = template_engine.answer, threading.Barrier(together)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client, client.makefile("rb") as stream:
+            for served in range(2):
+                head = b"".join(iter(stream.readline, b"\r\n"))
+                if not head or served == 1 and head.startswith(b"POST"):
+                    return  # the kept connection is closed, the request never answered
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                body = stream.read(length)
+                if head.startswith(b"POST"):
+                    self.barrier.wait(60)  # a bound for a broken test only: the calls are sent at once
+                    out = self.answer(json.loads(body))
+                else:
+                    out = b'{"object":"list","data":[{"id":"tiny","object":"model"}]}'
+                client.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                               % (len(out), out))
+
+
+def test_a_call_that_finds_two_kept_engine_connections_closed_is_answered_on_a_new_one(tmp_path):
+    """Two calls at once leave the proxy two kept connections to the engine; the engine closes each when the next
+    call comes on it. The retry took a second kept connection, found it closed too, and the agent's connection
+    was closed with no answer: every call must be answered."""
+    import sys
+    import threading
+    from pathlib import Path
+
+    import httpx
+
+    from harness_trainer.proxy.client import ProxyServer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    engine = ClosesAfterOneAnswer(together=2)
+    with ProxyServer(engine.url, model="tiny", journal=tmp_path / "journal") as proxy:
+        keys = [proxy.client.create_session(id=f"kept-{k}")["api_key"] for k in range(2)]
+
+        def call(key: str, marker: str) -> httpx.Response:
+            messages = [{"role": "user", "content": f"go [[{marker}]]"}]
+            return httpx.post(f"{proxy.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                              json={"model": "tiny", "messages": messages}, timeout=60)
+
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda k=k: answers.append(call(k, k))) for k in keys]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert [a.status_code for a in answers] == [200, 200]
+        engine.barrier = threading.Barrier(1)  # from now on each call is answered alone
+        again = call(keys[0], "again")
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"]["content"] == "turn 0 of [[again]]"
