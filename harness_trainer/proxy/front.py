@@ -3,8 +3,8 @@ routes: a small HTTP/1.1 server on asyncio streams over the capture logic (core.
 engines itself (upstream.py). mitmproxy serves only the forward (HTTPS_PROXY) listener (addon.py): its layers
 were most of a 1 KB call's cost here (docs/benchmarks.md).
 
-HTTP it speaks: keep-alive connections, one request at a time each; bodies by Content-Length or chunked, with
-`Expect: 100-continue` answered; answers with a Content-Length, or chunked for a streamed model call.
+HTTP it speaks: keep-alive connections, one request at a time each (pipelined ones answered in order), read by
+llhttp (http1.py); answers with a Content-Length, or chunked for a streamed model call.
 """
 
 from __future__ import annotations
@@ -16,20 +16,13 @@ import traceback
 from http import HTTPStatus
 
 from harness_trainer.proxy.core import Capture
+from harness_trainer.proxy.http1 import BadRequest, RequestReader
 from harness_trainer.proxy.inflight import CallInFlight
 from harness_trainer.proxy.relay import broken_stream_event, http_chunk
 from harness_trainer.proxy.upstream import LIMIT, Answer, Upstream, UpstreamError
 from harness_trainer.proxy.wire import Reply, Request, json_reply
 
-READ_S = 600.0  # a client that sends part of a request and then nothing is dropped after this long
-IDLE_S = 600.0  # a keep-alive connection with no request for this long is closed
-_READ_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError)
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+_READ_ERRORS = (OSError, asyncio.IncompleteReadError, TimeoutError)
 
 
 def _phrase(status: int) -> bytes:
@@ -64,10 +57,11 @@ class Front:
         self.upstream.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests = RequestReader(self.body_limit, self.host)
         try:
             while True:
                 try:
-                    request, keep = await self._read(reader, writer)
+                    request, keep = await requests.next(reader, writer)
                 except BadRequest as exc:
                     writer.write(reply_bytes(json_reply(exc.status, {"error": {"message": str(exc),
                                                                                "code": exc.status}}), False))
@@ -79,57 +73,6 @@ class Front:
             pass  # the agent went away, or the proxy is stopping
         finally:
             writer.close()
-
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[Request | None, bool]:
-        """The next request on the connection, and whether the connection stays open after it."""
-        try:
-            async with asyncio.timeout(IDLE_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial.strip():
-                raise BadRequest(400, "the request ended inside its headers") from None
-            return None, False  # closed between requests
-        except asyncio.LimitOverrunError:
-            raise BadRequest(431, "the request's headers are too long") from None
-        lines = head.decode("latin-1").split("\r\n")
-        try:
-            method, target, version = lines[0].split(" ")
-        except ValueError:
-            raise BadRequest(400, f"not an HTTP request line: {lines[0][:100]!r}") from None
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if colon:
-                name = name.strip().lower()
-                headers[name] = f"{headers[name]}, {value.strip()}" if name in headers else value.strip()
-        if "://" in target:  # absolute form: the path is what routes
-            target = "/" + target.split("://", 1)[1].partition("/")[2]
-        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        if headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        async with asyncio.timeout(READ_S):
-            body = await self._body(reader, headers)
-        return Request(method, target, headers, body, self.host), keep
-
-    async def _body(self, reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            pieces, size = [], 0
-            while length := int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16):
-                size += length
-                if size > self.body_limit:
-                    raise BadRequest(413, f"the request body is over the proxy's limit of {self.body_limit} bytes")
-                pieces.append((await reader.readexactly(length + 2))[:-2])
-            while await reader.readuntil(b"\r\n") != b"\r\n":
-                pass  # trailers
-            return b"".join(pieces)
-        try:
-            length = int(headers.get("content-length") or 0)
-        except ValueError:
-            raise BadRequest(400, f"bad content-length {headers['content-length']!r}") from None
-        if length > self.body_limit:
-            raise BadRequest(413, f"the request body ({length} bytes) is over the proxy's limit of "
-                                  f"{self.body_limit} bytes (--body-size-limit)")
-        return await reader.readexactly(length) if length else b""
 
     async def _handle(self, request: Request, writer: asyncio.StreamWriter, keep: bool) -> bool:
         """Answer one request; False if the connection cannot carry another."""

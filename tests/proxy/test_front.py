@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 
 from stubs import Link
@@ -75,6 +76,24 @@ def test_what_is_not_http_gets_a_clear_error_and_a_closed_connection(proxy):
                 assert sock.recv(100) == b""
             except ConnectionResetError:
                 pass
+
+
+def test_pipelined_requests_are_answered_in_order_and_a_smuggling_request_is_refused(proxy):
+    """llhttp reads the requests (proxy/http1.py): two sent at once get two answers in order; a body framed two
+    ways at once (Content-Length and chunked: how requests are smuggled past a front) gets a 400."""
+    two = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\nGET /nope HTTP/1.1\r\nhost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as sock:
+        sock.sendall(two)
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}"):  # both answers, whole
+            data += sock.recv(65536) or b"!"
+            assert not data.endswith(b"!"), f"the connection closed before two answers: {data!r}"
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", data) == [b"200", b"404"]
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"0\r\n\r\nGET /health HTTP/1.1\r\n\r\n")
+        status, body = _read_answer(sock)
+        assert status == 400 and "Content-Length" in json.loads(body)["error"]["message"]
 
 
 def test_an_engine_connection_closed_while_idle_is_not_the_agents_failure(proxy, engine):
