@@ -13,7 +13,7 @@ import threading
 
 from harness_trainer.proxy import store as store_module
 from harness_trainer.proxy.session import Call, training_trace
-from harness_trainer.proxy.store import SessionStore
+from harness_trainer.proxy.store import SessionStore, unpacked
 
 
 def _call(index: int) -> Call:
@@ -131,9 +131,9 @@ def _same_calls(reloaded, recorded) -> None:
 def test_calls_are_journaled_as_what_they_add_to_their_parent_and_reload_exactly(tmp_path):
     store = SessionStore(tmp_path)
     session, turns = _forked_rollout(store)
-    records = [json.loads(line) for line in (tmp_path / "fork.jsonl").read_text().splitlines()][1:]
+    records = [unpacked(json.loads(line)) for line in (tmp_path / "fork.jsonl").read_text().splitlines()][1:]
     assert [r["base"] for r in records] == [None, 0, 1, 1, None]
-    assert [r["prompt_suffix"] for r in records] == [[1, 2, 3], [4], [5], [6, 6], [1, 9]]
+    assert [r["prompt_suffix"].tolist() for r in records] == [[1, 2, 3], [4], [5], [6, 6], [1, 9]]
     assert records[2]["request"]["extends"] == 3 and len(records[2]["request"]["messages"]) == 1
     assert records[2]["request"]["same_tools"] is True and "tools" not in records[2]["request"]
     assert [list(c.prompt_token_ids) for c in session.calls] == [prompt for prompt, _ in turns]
@@ -172,3 +172,15 @@ def test_a_journal_of_whole_calls_from_before_still_reloads(tmp_path):
     reloaded = SessionStore(tmp_path).sessions["old"]
     assert [list(c.prompt_token_ids) for c in reloaded.calls] == [[1, 2], [1, 2, 3, 4]]
     assert reloaded.calls[1].base is reloaded.calls[0] and list(reloaded.calls[1].prompt_suffix) == [4]
+
+
+def test_a_record_whose_ids_cannot_be_read_ends_the_reading_there_and_says_so(tmp_path, capsys):
+    store = SessionStore(tmp_path)
+    session, _ = _forked_rollout(store)
+    path = tmp_path / "fork.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    broken = json.loads(lines[3])
+    broken["prompt_suffix"] = "not base64!"
+    path.write_text("".join(lines[:3] + [json.dumps(broken) + "\n"] + lines[4:]))
+    _same_calls(SessionStore(tmp_path).sessions["fork"], session.calls[:2])
+    assert "has ids that are not base64" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from harness_trainer.proxy.client import ProxyServer
+from harness_trainer.proxy.store import unpacked
 from harness_trainer.serving.process import free_port
 from harness_trainer.traces.compact import expand
 from tests.stubs import wait_until
@@ -100,7 +101,7 @@ def _check_exact(trace: dict, compact: dict, messages: list[dict], sid: str) -> 
 def _check_stored_once(path: Path, trace: dict) -> None:
     """The journal's calls hold each prompt id once: their suffixes add up to the last prompt (a linear rollout),
     and each request only the messages it added."""
-    calls = [json.loads(line) for line in path.read_text().splitlines() if '"t":"call"' in line]
+    calls = [unpacked(json.loads(line)) for line in path.read_text().splitlines() if '"t":"call"' in line]
     assert len(calls) == TURNS
     assert sum(len(c["prompt_suffix"]) for c in calls) + sum(len(c["completion_token_ids"]) for c in calls[:-1]) \
         == len(trace["turns"][-1]["prompt_token_ids"])
