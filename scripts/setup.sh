@@ -127,9 +127,9 @@ install_trainer() {
 
 install_proxy() {
   fresh_venv .venv-proxy
-  .venv-proxy/bin/pip install "mitmproxy==$MITMPROXY_VERSION" httpx "orjson>=3.10" "httptools>=0.6"
+  .venv-proxy/bin/pip install "mitmproxy==$MITMPROXY_VERSION" httpx "orjson>=3.10" "httptools>=0.6" "uvloop>=0.19"
   .venv-proxy/bin/pip install --no-deps -e .
-  .venv-proxy/bin/python -c 'import mitmproxy, httpx, orjson, httptools, harness_trainer.proxy.front'
+  .venv-proxy/bin/python -c 'import mitmproxy, httpx, orjson, httptools, uvloop, harness_trainer.proxy.front'
 }
 
 install_mini() {
