@@ -3,7 +3,9 @@ neither the load generator nor the upstream is the bottleneck (docs/benchmarks.m
 
   * the proxy alone on one core (`pin`), nginx and wrk on the other; nginx answers a fixed vLLM-shaped completion
     (its prompt ids as long as the request's conversation) in tens of microseconds; wrk is compiled
-  * added latency: p50 / p99 of one connection calling in a loop, minus nginx's own (direct, same run)
+  * this proxy as runs start it, with its journal ("ours"), and without ("ours, no journal": no run does that)
+  * added latency: p50 / p99 of one connection calling in a loop over the 64 sessions' keys, minus nginx's own
+    (direct, same run)
   * throughput: requests/s at 64 sessions on 64 connections, for 1 KB and 200 KB request bodies; direct beside
   * streamed time to first content chunk, proxied / direct (a Python stub streaming a token every 4 ms, one
     call at a time, so the stub is idle between tokens)
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,6 +133,12 @@ class OpenEnvProxy:
         return f"{self.url}/v1", answer["session_id"]
 
 
+def journaled(upstream: str) -> ProxyServer:
+    """This proxy as a run starts it: with a journal (in a folder of its own, kept until the bench ends)."""
+    return ProxyServer(upstream, model="tiny", journal=tempfile.mkdtemp(prefix="bench-journal-"),
+                       startup_timeout_s=60)
+
+
 def ours_session(proxy: ProxyServer) -> tuple[str, str]:
     s = proxy.client.create_session(policy={"max_tokens_cap": 8192})
     return s["base_url"], s["api_key"]
@@ -142,8 +151,10 @@ def hop(name: str, url: str, new_session) -> dict:
 
 
 def run_wrk(target: dict, body: dict, connections: int, seconds: float, cpus: set[int]) -> dict:
-    """Fresh sessions for every run (a proxy keeps every call it captured: a run must not inherit another's)."""
-    keys = [target["new_session"]() for _ in range(connections if connections > 1 else 1)]
+    """Fresh sessions for every run (a proxy keeps every call it captured: a run must not inherit another's); each
+    request under the next of SESSIONS keys, on one connection as on many (a session's calls, as a run makes them,
+    are one among many: one key would measure a session whose every call finds the last one's state at hand)."""
+    keys = [target["new_session"]() for _ in range(SESSIONS)]
     return wrk(target["url"], "/v1/chat/completions", keys, body, connections=connections, seconds=seconds,
                cpus=cpus)
 
@@ -152,12 +163,15 @@ def measure_size(size: int, seconds: float, rounds: int, proxy_cpus: set[int], o
     """Every target at one body size, interleaved over `rounds` (drift hits each alike); the median round."""
     body = request_body(size)
     prompt_tokens = max(60, len(json.dumps(body)) // 4)  # ~4 bytes of JSON per token: the engine's prompt ids
+    journal = Path(tempfile.mkdtemp(prefix="bench-journal-"))
     with Nginx(prompt_tokens, other) as upstream, \
-            ProxyServer(upstream.url, model="tiny", startup_timeout_s=60) as ours, OpenEnvProxy(upstream.url) as env:
-        pin(ours.managed.process.pid, proxy_cpus)
-        pin(env.managed.process.pid, proxy_cpus)
+            ProxyServer(upstream.url, model="tiny", journal=journal, startup_timeout_s=60) as ours, \
+            ProxyServer(upstream.url, model="tiny", startup_timeout_s=60) as bare, OpenEnvProxy(upstream.url) as env:
+        for server in (ours, bare, env):
+            pin(server.managed.process.pid, proxy_cpus)
         targets = [hop("direct", upstream.url, lambda: "none"),
                    hop("ours", ours.url, lambda: ours_session(ours)[1]),
+                   hop("ours, no journal", bare.url, lambda: ours_session(bare)[1]),
                    hop("openenv", env.url, lambda: env.new_session()[1])]
         runs: dict[str, dict[str, list[dict]]] = {t["name"]: {"latency": [], "load": []} for t in targets}
         for target in targets:  # warm-up: connections, caches, the first session
@@ -166,6 +180,7 @@ def measure_size(size: int, seconds: float, rounds: int, proxy_cpus: set[int], o
             for target in targets:
                 runs[target["name"]]["latency"].append(run_wrk(target, body, 1, seconds / 2, other))
                 runs[target["name"]]["load"].append(run_wrk(target, body, SESSIONS, seconds, other))
+    shutil.rmtree(journal, ignore_errors=True)
     rows = []
     for name, kinds in runs.items():
         latency = sorted(kinds["latency"], key=lambda r: r["p50_ms"])[len(kinds["latency"]) // 2]
@@ -180,13 +195,13 @@ def measure_size(size: int, seconds: float, rounds: int, proxy_cpus: set[int], o
 def print_rows(rows: list[dict]) -> None:
     direct = {r["size"]: r for r in rows if r["target"] == "direct"}
     openenv = {r["size"]: r for r in rows if r["target"] == "openenv"}
-    print(f"\n{'body':>8} {'target':8} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9} {'added p99':>9} "
+    print(f"\n{'body':>8} {'target':16} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9} {'added p99':>9} "
           f"{'req/s 1':>8} {'req/s 64':>9} {'vs openenv':>10} {'errors':>6}")
     for r in rows:
         d, o = direct[r["size"]], openenv[r["size"]]
         added = (" " * 19 if r["target"] == "direct"
                  else f"{r['p50_ms'] - d['p50_ms']:9.2f} {r['p99_ms'] - d['p99_ms']:9.2f}")
-        print(f"{r['size'] / 1024:6.0f}KB {r['target']:8} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {added} "
+        print(f"{r['size'] / 1024:6.0f}KB {r['target']:16} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {added} "
               f"{r['rps_1']:8.0f} {r['rps_64']:9.0f} {r['rps_64'] / o['rps_64']:9.2f}x {r['errors']:6d}")
 
 
@@ -207,7 +222,7 @@ def measure_streams(calls: int, proxy_cpus: set[int], other: set[int]) -> dict[s
     stub = start_stub(tokens=48, token_delay_s=0.004)
     pin(stub.process.pid, other)
     try:
-        with ProxyServer(stub.url, model="tiny") as ours, OpenEnvProxy(stub.url) as env:
+        with journaled(stub.url) as ours, OpenEnvProxy(stub.url) as env:
             pin(ours.managed.process.pid, proxy_cpus)
             pin(env.managed.process.pid, proxy_cpus)
             targets = {"direct": (f"{stub.url}/v1", "none"), "ours": ours_session(ours), "openenv": env.new_session()}
@@ -247,7 +262,7 @@ def measure_memory(rollouts: int, turns: int, final_bytes: int, proxy_cpus: set[
     stub = start_stub(tokens=32, token_delay_s=0)
     pin(stub.process.pid, other)
     try:
-        with ProxyServer(stub.url, model="tiny") as ours, httpx.Client(timeout=120) as client:
+        with journaled(stub.url) as ours, httpx.Client(timeout=120) as client:
             pin(ours.managed.process.pid, proxy_cpus)
             proxy = psutil.Process(ours.managed.process.pid)
             before = 0
@@ -281,7 +296,7 @@ def profile_size(size: int, seconds: float, proxy_cpus: set[int], other: set[int
         raise SystemExit("py-spy is not installed: run `make setup BENCH=1`")
     body = request_body(size)
     with Nginx(max(60, len(json.dumps(body)) // 4), other) as upstream, \
-            ProxyServer(upstream.url, model="tiny", startup_timeout_s=60) as ours, \
+            journaled(upstream.url) as ours, \
             tempfile.TemporaryDirectory() as tmp:
         pin(ours.managed.process.pid, proxy_cpus)
         target = hop("ours", ours.url, lambda: ours_session(ours)[1])
