@@ -45,6 +45,8 @@ bench: BENCH = 1
 bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
+	$(PY) bench/long_rollouts.py
+	$(PY) bench/many_sessions.py
 	$(PY) bench/rollouts.py
 	$(PY) bench/sandboxes.py
 	$(PY) bench/trainer.py

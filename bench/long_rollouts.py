@@ -1,5 +1,6 @@
 """What the capture costs as rollouts grow long: journal bytes, the proxy's memory and the time to fetch every
-trace, each divided by the rollouts' unique tokens (4 bytes an id, 8 a logprob: what must be kept at least).
+trace, each divided by the rollouts' unique tokens (4 bytes an id, 8 a logprob: what must be kept at least). Memory is the proxy's RSS
+growth over the rollouts, after a warm-up rollout of 3 turns.
 
     python bench/long_rollouts.py [--turns 15 30 60 120] [--sessions 8] [--tokens-per-turn 2000]
                                   [--concurrency 64] [--out FILE.json]
@@ -87,6 +88,10 @@ def measure(url: str, sessions: int, turns: int, tool_bytes: int, concurrency: i
     try:
         with ProxyServer(url, journal=journal) as proxy:
             process = psutil.Process(proxy.managed.process.pid)
+            # a warm-up rollout first: what the proxy allocates once (its first calls' buffers, the journal's fsync
+            # thread) is not what the rollouts hold
+            warm = proxy.client.create_session(id=f"warm-{turns}")["id"]
+            asyncio.run(rollouts(proxy.url, [warm], 3, tool_bytes, 1))
             keys = [proxy.client.create_session(id=f"r{k}-{turns}")["id"] for k in range(sessions)]
             rss0 = process.memory_info().rss
             start = time.perf_counter()
