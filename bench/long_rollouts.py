@@ -1,6 +1,6 @@
 """What the capture costs as rollouts grow long: journal bytes, the proxy's memory and the time to fetch every
-trace, each divided by the rollouts' unique tokens (4 bytes an id, 8 a logprob: what must be kept at least). Memory is the proxy's RSS
-growth over the rollouts, after a warm-up rollout of 3 turns.
+trace, each divided by the rollouts' unique tokens (4 bytes an id, 8 a logprob: what must be kept at least).
+Memory is the proxy's RSS growth over the rollouts, after a warm-up rollout of 3 turns.
 
     python bench/long_rollouts.py [--turns 15 30 60 120] [--sessions 8] [--tokens-per-turn 2000]
                                   [--concurrency 64] [--out FILE.json]
