@@ -136,7 +136,7 @@ def _view(args: argparse.Namespace) -> int:
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        ignore_stop_signals()  # exit 0, not -2 (serving/process.py)
     finally:
         server.server_close()
     return 0
@@ -159,6 +159,7 @@ def _train(args: argparse.Namespace) -> int:
         with contextlib.nullcontext() if follower else Live(progress, refresh_per_second=2, transient=False):
             summary = run_training(cfg, callbacks=[progress])
     except KeyboardInterrupt:
+        ignore_stop_signals()  # stopped and cleaned up: exit 130, not -2 (serving/process.py)
         print(f"harness-train: interrupted; engine, proxy and sandboxes are stopped. Checkpoints are in "
               f"{cfg.output_dir}: continue with --resume-from-checkpoint latest", file=sys.stderr)
         return 130

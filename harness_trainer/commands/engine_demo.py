@@ -15,7 +15,7 @@ import torch
 
 from harness_trainer.models.tiny import ensure_tiny_model
 from harness_trainer.serving.engine import EngineConfig, VLLMServer, teacher_forced_logprobs
-from harness_trainer.serving.process import interrupt_on_sigterm
+from harness_trainer.serving.process import ignore_stop_signals, interrupt_on_sigterm
 from harness_trainer.serving.weight_sync import ram_dir, reload_weights, save_weights, weight_version
 
 TOOLS = [{"type": "function", "function": {
@@ -30,6 +30,7 @@ def main() -> int:
     try:
         demo()
     except KeyboardInterrupt:
+        ignore_stop_signals()  # stopped and cleaned up: a second signal must not turn 130 into -2
         print("engine demo: interrupted; its engine is stopped", file=sys.stderr)
         return 130
     return 0

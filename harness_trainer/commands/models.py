@@ -44,6 +44,7 @@ def _model_check(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from harness_trainer.models.hub import resolve_model
     from harness_trainer.serving.engine import EngineConfig, VLLMServer, model_formats
+    from harness_trainer.serving.process import ignore_stop_signals
 
     model = resolve_model(args.model, model_flag(args, "model_revision"))
     cfg = EngineConfig(model=str(model.path), served_model_name=args.served_model_name or model.name, host=args.host,
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             server.process.wait()
         except KeyboardInterrupt:
-            pass
+            ignore_stop_signals()  # after the `with` stops vLLM, exit 0 rather than -2 (serving/process.py)
         if server.process and server.process.returncode not in (None, 0):
             print(f"vLLM exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
             return 1

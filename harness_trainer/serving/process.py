@@ -40,10 +40,16 @@ def ignore_stop_signals() -> None:
     """After an entry point has caught its interrupt and everything it started is stopped: a further SIGTERM or
     Ctrl-C (a job system repeating its TERM, a `timeout` and a shell both signalling) would raise
     KeyboardInterrupt outside every handler, and Python exits from an unhandled KeyboardInterrupt by killing
-    itself with SIGINT: return code -2 instead of the 130 the command decided (seen once in `make test`)."""
+    itself with SIGINT: return code -2 instead of the 130 the command decided (seen once in `make test`).
+
+    It also forgets the interrupt the command has handled. CPython marks a KeyboardInterrupt that leaves code run
+    by `exec`/`eval` of a string (dataclasses and namedtuples build their methods that way, so a SIGTERM during
+    an import can land there) as unhandled, even when a caller catches it, and at exit kills itself with SIGINT
+    on that mark; the next string run by `exec` clears it. Seen in CI as -2 after the command's own line."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exec("")  # clears the interpreter's unhandled-interrupt mark (above); runs nothing
 
 
 def engine_answers(url: str) -> bool:

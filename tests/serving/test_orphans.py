@@ -111,3 +111,21 @@ def test_proof_with_both_servers_up(sig, tiny_model_dir, tmp_path):
     base_eval = out / "eval-base"  # the proof's first stage: rollouts of the base model (commands/proof.py)
     _stop_and_check(command, "", sig, tmp_path, timeout_s=600,
                     ready=lambda: base_eval.exists() and any(base_eval.glob("**/trials/*")))
+
+
+
+def test_an_interrupt_caught_after_passing_through_exec_still_exits_130(tmp_path):
+    """The CI failure of the proof's SIGTERM case: its KeyboardInterrupt was raised inside code run by `exec` of
+    a string (a dataclass being built during an import), caught by the proof, which printed its line and
+    returned 130 — and CPython then killed itself with SIGINT (-2). Here the interrupt is raised where that
+    SIGTERM landed, deterministically, in a module run with `-m` as the entry points are (a script or `-c`
+    exits before the mark is read); the entry points' handler must leave the exit code theirs."""
+    (tmp_path / "entry.py").write_text(
+        "import sys\n"
+        "from harness_trainer.serving.process import ignore_stop_signals\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        "except KeyboardInterrupt:\n"
+        "    ignore_stop_signals()\n"
+        "    sys.exit(130)\n")
+    assert subprocess.run([sys.executable, "-m", "entry"], cwd=tmp_path, timeout=60).returncode == 130
