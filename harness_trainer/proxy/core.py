@@ -223,7 +223,7 @@ class Capture:
         if status == 200:
             if call.stream:
                 return Reply(200, b"".join(call.feed(body) + call.feed(b"")), "text/event-stream")
-            answer, prompt_ids = fastjson.loads_ids(body)
+            answer, prompt_ids = call.read(body)
             call._alias(answer)
             call.completion = Completion.from_json(answer)
             if prompt_ids is not None:

@@ -41,6 +41,14 @@ class CallInFlight:
     failed: bool = False  # an error event was sent: no success ending may follow
     released: bool = False  # no longer counted in flight
     prompt_tokens: int = 0  # the prompt's length, once the call is recorded
+    ids_text: tuple[int, int] | None = None  # its prompt ids' text as the engine wrote it (fastjson.IdsText)
+
+    def read(self, data: bytes) -> tuple[object, object]:
+        """An engine answer (or stream chunk) read, its prompt ids as an array; read knowing the session's last
+        prompt, which this one most often starts with (fastjson.IdsText)."""
+        obj, ids, text = fastjson.loads_ids(data, self.session.ids_text)
+        self.ids_text = text or self.ids_text
+        return obj, ids
 
     @property
     def url(self) -> str:
@@ -76,7 +84,7 @@ class CallInFlight:
                 continue
             chunk, prompt_ids = None, None
             with contextlib.suppress(json.JSONDecodeError):
-                chunk, prompt_ids = fastjson.loads_ids(payload.encode()) if payload else (None, None)
+                chunk, prompt_ids = self.read(payload.encode()) if payload else (None, None)
             if prompt_ids is not None:  # an array at once: a list would be held the whole answer long
                 self.completion.prompt_token_ids = prompt_ids
                 if self.asked.get("return_token_ids"):
@@ -129,5 +137,7 @@ class CallInFlight:
             per_token_logps=c.logprobs, message=c.message(), finish_reason=c.finish_reason,
             problem=c.problem(), harness_session_id=self.harness_session_id,
             started=self.started, finished=time.time()))
+        if self.ids_text and call.prompt_tokens:  # the session's next answer is read knowing this prompt
+            self.session.ids_text = fastjson.IdsText(*self.ids_text, ids=lambda: call.prompt_token_ids)
         # the flow outlives this: the whole prompt is not kept beside the call's suffix
         self.prompt_tokens, c.prompt_token_ids = call.prompt_tokens, None

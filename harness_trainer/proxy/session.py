@@ -138,6 +138,7 @@ class Session:
     last_messages: list = field(default_factory=list, repr=False)  # the last call's, as share() kept them
     graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)  # every call's prompt+completion
+    ids_text: object = field(default=None, repr=False)  # its latest prompt's id text (fastjson.IdsText), or None
 
     def __post_init__(self):
         given, self.calls = self.calls, []
@@ -148,7 +149,7 @@ class Session:
         """`call` becomes the session's latest. Its prefix parent is the earlier call whose prompt+completion is the
         longest exact prefix of its prompt (a call can only continue an answer its agent already had, and a call
         is recorded before its agent gets its last byte), and the call keeps only what it adds to it."""
-        prompt = call.prompt_token_ids
+        prompt = call.prompt_suffix if call.base is None else call.prompt_token_ids  # a new call: no copy
         call.base, call.prompt_suffix, call.prompt_key, call.prompt_tokens = None, prompt, None, len(prompt)
         if len(prompt) and isinstance(prompt, array) and isinstance(call.completion_token_ids, array):
             hashes = PrefixIndex.hashes(prompt)
