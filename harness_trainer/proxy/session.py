@@ -41,7 +41,7 @@ class Call:
     request: dict  # {"messages": [...], "tools": [...] | None} as sent upstream (chat form)
     sampling_params: dict
     requested_sampling_params: dict
-    prompt_suffix: Sequence[int]  # the prompt's ids after `base`'s prompt+completion; with no base, the whole prompt
+    prompt_suffix: Sequence[int]  # the prompt's ids after `base`'s prompt+completion (or `repeats`' prompt); else all
     completion_token_ids: Sequence[int]
     per_token_logps: Sequence[float]
     message: dict
@@ -53,6 +53,9 @@ class Call:
     finished: float = 0.0
     # Set when the session records it (Session.attach): its prefix parent, and what names its whole prompt.
     base: Call | None = field(default=None, repr=False)
+    # With no base: the earlier call whose whole prompt this one's starts with (an agent's retry, a prompt sent
+    # again). Not a parent (its answer is not in this prompt): only where this call's ids are kept.
+    repeats: Call | None = field(default=None, repr=False)
     prompt_key: tuple | None = field(default=None, repr=False)
     prompt_tokens: int = -1  # the whole prompt's length
 
@@ -65,7 +68,8 @@ class Call:
         self.completion_token_ids = compact(self.completion_token_ids, "i")
         self.per_token_logps = compact(self.per_token_logps, "d")  # doubles: every logprob exactly as sent
         if self.prompt_tokens < 0:
-            self.prompt_tokens = len(self.prompt_suffix) + (self.base.full_tokens if self.base else 0)
+            before = self.base.full_tokens if self.base else self.repeats.prompt_tokens if self.repeats else 0
+            self.prompt_tokens = len(self.prompt_suffix) + before
 
     @property
     def full_tokens(self) -> int:
@@ -74,10 +78,12 @@ class Call:
     @property
     def prompt_token_ids(self) -> Sequence[int]:
         """The whole prompt, joined from the chain of prefix parents (a new array each time: read, don't keep)."""
-        pieces, at = [self.prompt_suffix], self.base
-        while at is not None:
-            pieces += (at.completion_token_ids, at.prompt_suffix)
-            at = at.base
+        pieces, at = [self.prompt_suffix], self
+        while at.base is not None or at.repeats is not None:
+            if at.base is not None:
+                pieces.append(at.base.completion_token_ids)
+            at = at.base or at.repeats
+            pieces.append(at.prompt_suffix)
         return joined(reversed(pieces))
 
     @property
@@ -86,7 +92,7 @@ class Call:
 
 
 # A Call's fields that say how it is stored, not what was captured: never exported as they are.
-STORAGE = ("base", "prompt_key", "prompt_suffix", "prompt_tokens")
+STORAGE = ("base", "repeats", "prompt_key", "prompt_suffix", "prompt_tokens")
 
 
 def captured(call: Call) -> dict:
@@ -138,6 +144,7 @@ class Session:
     last_messages: list = field(default_factory=list, repr=False)  # the last call's, as share() kept them
     graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)  # every call's prompt+completion
+    prompts: PrefixIndex = field(default_factory=PrefixIndex, repr=False)  # every call's prompt
     ids_text: object = field(default=None, repr=False)  # its latest prompt's id text (fastjson.IdsText), or None
 
     def __post_init__(self):
@@ -148,15 +155,21 @@ class Session:
     def attach(self, call: Call) -> None:
         """`call` becomes the session's latest. Its prefix parent is the earlier call whose prompt+completion is the
         longest exact prefix of its prompt (a call can only continue an answer its agent already had, and a call
-        is recorded before its agent gets its last byte), and the call keeps only what it adds to it."""
-        prompt = call.prompt_suffix if call.base is None else call.prompt_token_ids  # a new call: no copy
-        call.base, call.prompt_suffix, call.prompt_key, call.prompt_tokens = None, prompt, None, len(prompt)
+        is recorded before its agent gets its last byte), and the call keeps only what it adds to it. With none, a
+        call whose whole prompt it repeats (a retry) holds what they share (`repeats`)."""
+        fresh = call.base is None and call.repeats is None
+        prompt = call.prompt_suffix if fresh else call.prompt_token_ids  # a new call: no copy
+        call.base, call.repeats, call.prompt_suffix, call.prompt_key = None, None, prompt, None
+        call.prompt_tokens = len(prompt)
         if len(prompt) and isinstance(prompt, array) and isinstance(call.completion_token_ids, array):
             hashes = PrefixIndex.hashes(prompt)
             call.prompt_key = PrefixIndex.key(prompt, hashes, len(prompt))
             base = self.prefixes.longest(prompt, hashes, lambda c, n: c.full == prompt[:n])
             if base is not None:
                 call.base, call.prompt_suffix = base, prompt[base.full_tokens:]
+            elif (same := self.prompts.longest(prompt, hashes, lambda c, n: c.prompt_token_ids == prompt[:n])):
+                call.repeats, call.prompt_suffix = same, prompt[same.prompt_tokens:]
+            self.prompts.add(prompt, hashes, call)
             full = joined((prompt, call.completion_token_ids))
             self.prefixes.add(full, PrefixIndex.hashes(full, hashes), call)
         self.calls.append(call)
@@ -282,6 +295,8 @@ def compact_trace(session: Session) -> dict:
         while base is not None and base.index not in shipped:  # a parent left out (a retry, an auxiliary call)
             pieces += (base.completion_token_ids, base.prompt_suffix)
             base = base.base
+        if base is None:  # no shipped ancestor: the whole prompt (a root's may repeat another call's)
+            pieces = [c.prompt_token_ids]
         metadata = {"node_id": session.node_id(c), "index": c.index, "model": c.model or session.model,
                     "n_tools": c.n_tools, "sampling_params": c.sampling_params,
                     "requested_sampling_params": c.requested_sampling_params, "policy_version": c.policy_version,

@@ -6,7 +6,9 @@ journal/<session id>.jsonl holds one JSON record a line:
                                       byte, as what it adds to its prefix parent: "base" (the parent's index, an
                                       earlier record's), "prompt_suffix" (the prompt's ids after the parent's
                                       prompt+completion) and "request" as traces/compact.py writes a turn's (the
-                                      messages after the parent's); a root has no base and its whole prompt.
+                                      messages after the parent's); a root has no base and its whole prompt,
+                                      or "repeats" (the index of a call whose whole prompt its prompt starts
+                                      with: a retry) and the ids and messages after that call's.
                                       Its ids and logprobs are their arrays' bytes in base64 (PACKED; `unpacked`
                                       reads them): a JSON list cost the proxy 2 ms of a 51k-id call to write
   {"t": "version", "policy_version", "model"}  the trainer moved the session to a new policy version
@@ -45,7 +47,7 @@ from harness_trainer.traces.compact import whole_request
 
 # journaled as they happen, or derived; engine_failure is not kept across a restart of the proxy
 NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of", "engine_failure", "prefixes",
-                 "last_messages")
+                 "prompts", "last_messages", "ids_text")
 FSYNC_EVERY_S = 1.0  # the most a machine's crash can lose of what was written
 
 
@@ -178,8 +180,11 @@ class SessionStore:
         session.attach(call)
         if self.journal_dir:
             base, arrays = call.base, packed(call)
+            before = base or call.repeats
             record = {"t": "call", **captured(call), "base": base and base.index, "prompt_suffix": call.prompt_suffix,
-                      "request": request_delta(call.request, base and base.request)}
+                      "request": request_delta(call.request, before and before.request)}
+            if call.repeats is not None:
+                record["repeats"] = call.repeats.index
             self._append(session.id, {k: v for k, v in record.items() if k not in arrays}, arrays)
 
     def stop(self, session: Session, why: str) -> None:
@@ -224,20 +229,26 @@ def unpacked(record: dict) -> dict:
     return record
 
 
+def _earlier(session: Session, record: dict, key: str) -> Call | None:
+    """The earlier call a record names as its `key` ("base", "repeats"; popped), None if it names none."""
+    index = record.pop(key, None)
+    if index is not None and not (isinstance(index, int) and 0 <= index < len(session.calls)):
+        raise Unreadable(f"call {record.get('index')} continues call {index!r}, which is not in the journal")
+    return None if index is None else session.calls[index]
+
+
 def restored(session: Session, record: dict) -> Call:
     """A journaled call as it was recorded: its whole prompt and request rebuilt from its parent's."""
     try:
         record = unpacked(record)
     except ValueError as exc:  # binascii.Error
         raise Unreadable(f"call {record.get('index')} has ids that are not base64 ({exc})") from None
-    base_index = record.pop("base", None)
+    base, repeats = (_earlier(session, record, key) for key in ("base", "repeats"))
     if "prompt_token_ids" in record:  # a journal written before calls were stored as suffixes: whole
-        record["prompt_suffix"], base_index = record.pop("prompt_token_ids"), None
-    if base_index is not None and not (isinstance(base_index, int) and 0 <= base_index < len(session.calls)):
-        raise Unreadable(f"call {record.get('index')} continues call {base_index!r}, which is not in the journal")
-    base = None if base_index is None else session.calls[base_index]
+        record["prompt_suffix"], base = record.pop("prompt_token_ids"), None
     try:
-        request = whole_request(record.get("request") or {}, base and base.request)
-        return Call(**dict(record, request=session.share(request)), base=base)
+        before = base or repeats
+        request = whole_request(record.get("request") or {}, before and before.request)
+        return Call(**dict(record, request=session.share(request)), base=base, repeats=None if base else repeats)
     except (TypeError, ValueError) as exc:
         raise Unreadable(f"call {record.get('index')} cannot be rebuilt ({exc})") from None

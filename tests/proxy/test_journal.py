@@ -110,11 +110,12 @@ def _turn(index: int, prompt: list[int], completion: list[int], messages: list[d
 
 
 def _forked_rollout(store: SessionStore):
-    """0 -> 1 -> 2, then 3 forks from 1 (its parent two records back), then 4 rewrites the history (a root)."""
+    """0 -> 1 -> 2, then 3 forks from 1 (its parent two records back), then 4 rewrites the history (a root), then
+    5 resends 4's prompt with more (a retry: no parent, it repeats 4's prompt)."""
     session = store.create(upstream="http://e", model="tiny", session_id="fork")
     system = [{"role": "system", "content": "s"}]
     turns = [([1, 2, 3], [10, 11]), ([1, 2, 3, 10, 11, 4], [12]), ([1, 2, 3, 10, 11, 4, 12, 5], [13]),
-             ([1, 2, 3, 10, 11, 4, 12, 6, 6], [14]), ([1, 9], [15])]
+             ([1, 2, 3, 10, 11, 4, 12, 6, 6], [14]), ([1, 9], [15]), ([1, 9, 7], [16])]
     for k, (prompt, completion) in enumerate(turns):
         store.record(session, _turn(k, prompt, completion, system + [{"role": "user", "content": f"{j}"}
                                                                       for j in range(k + 1)]))
@@ -126,14 +127,17 @@ def _same_calls(reloaded, recorded) -> None:
     for again, call in zip(reloaded.calls, recorded):
         assert list(again.prompt_token_ids) == list(call.prompt_token_ids)
         assert again.request == call.request and (again.base and again.base.index) == (call.base and call.base.index)
+        assert (again.repeats and again.repeats.index) == (call.repeats and call.repeats.index)
 
 
 def test_calls_are_journaled_as_what_they_add_to_their_parent_and_reload_exactly(tmp_path):
     store = SessionStore(tmp_path)
     session, turns = _forked_rollout(store)
     records = [unpacked(json.loads(line)) for line in (tmp_path / "fork.jsonl").read_text().splitlines()][1:]
-    assert [r["base"] for r in records] == [None, 0, 1, 1, None]
-    assert [r["prompt_suffix"].tolist() for r in records] == [[1, 2, 3], [4], [5], [6, 6], [1, 9]]
+    assert [r["base"] for r in records] == [None, 0, 1, 1, None, None]
+    assert [r.get("repeats") for r in records] == [None] * 5 + [4]
+    assert [r["prompt_suffix"].tolist() for r in records] == [[1, 2, 3], [4], [5], [6, 6], [1, 9], [7]]
+    assert records[5]["request"]["extends"] == 6 and len(records[5]["request"]["messages"]) == 1
     assert records[2]["request"]["extends"] == 3 and len(records[2]["request"]["messages"]) == 1
     assert records[2]["request"]["same_tools"] is True and "tools" not in records[2]["request"]
     assert [list(c.prompt_token_ids) for c in session.calls] == [prompt for prompt, _ in turns]
@@ -145,8 +149,8 @@ def test_a_torn_last_delta_record_is_skipped_and_the_rest_kept(tmp_path):
     store = SessionStore(tmp_path)
     session, _ = _forked_rollout(store)
     path = tmp_path / "fork.jsonl"
-    path.write_bytes(path.read_bytes()[:-20])  # killed in the middle of writing call 4
-    _same_calls(SessionStore(tmp_path).sessions["fork"], session.calls[:4])
+    path.write_bytes(path.read_bytes()[:-20])  # killed in the middle of writing call 5
+    _same_calls(SessionStore(tmp_path).sessions["fork"], session.calls[:5])
 
 
 def test_a_record_whose_parent_is_missing_ends_the_reading_there_and_says_so(tmp_path, capsys):

@@ -106,5 +106,7 @@ def test_a_session_holds_its_ids_as_arrays_and_its_repeated_texts_once_and_expor
     exported = rollout_document(session)["calls"][-1]
     assert exported["prompt_token_ids"] == list(range(70_002)) and exported["per_token_logps"] == [-0.5, -0.5]
     assert type(exported["prompt_token_ids"]) is list
-    assert fastjson.loads(fastjson.dumps(last.prompt_suffix)) == list(range(70_002))  # the journal's form
+    assert fastjson.loads(fastjson.dumps(last.prompt_token_ids)) == list(range(70_002))
+    # no call continues another's answer here: each repeats the prompt before it and holds what it adds
+    assert last.base is None and last.repeats is session.calls[1] and list(last.prompt_suffix) == [70_001]
     TrainingTrace.model_validate(training_trace(session))
