@@ -52,3 +52,27 @@ def test_a_conversations_texts_are_held_once_across_its_calls():
     seen: dict = {}
     once = share_messages(json.loads(json.dumps(conversation)), [], seen)
     assert len(seen) == 3 and once == conversation
+
+
+def test_a_request_read_holds_the_texts_its_session_already_holds_and_no_copy():
+    """share_texts, as the proxy reads each request: every long text anywhere in it (a message, a content part,
+    a tool's description) becomes the object already held; short ones and the values stay as they were; an
+    agent's deeply nested JSON is walked without recursion."""
+    from harness_trainer.traces.sharing import share_texts
+
+    def request():
+        return {"messages": [{"role": "user", "content": "log " * 100},
+                             {"role": "tool", "content": [{"type": "text", "text": "out " * 100}, "ok"]}],
+                "tools": [{"description": "bash " * 80}], "n": 1}
+
+    seen: dict = {}
+    first, second = share_texts(request(), seen), share_texts(request(), seen)
+    assert first == second == request()
+    assert second["messages"][0]["content"] is first["messages"][0]["content"]
+    assert second["messages"][1]["content"][0]["text"] is first["messages"][1]["content"][0]["text"]
+    assert second["tools"][0]["description"] is first["tools"][0]["description"]
+    deep: list = ["x" * 300]
+    for _ in range(5000):
+        deep = [deep]
+    share_texts(deep, seen)
+    assert len(seen) == 4
