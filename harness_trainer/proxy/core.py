@@ -38,7 +38,7 @@ from harness_trainer.proxy.session import Session
 from harness_trainer.proxy.store import SessionStore
 from harness_trainer.proxy.wire import Reply, Request, json_reply
 from harness_trainer.serving.process import HEALTH_EVERY_S
-from harness_trainer.traces.sharing import share_texts
+from harness_trainer.traces.sharing import share_request
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 BUDGET_STOP = "Step budget exhausted; stopping."
@@ -138,7 +138,8 @@ class Capture:
         try:
             if not isinstance(asked, dict):
                 raise ValueError("the body must be a JSON object")
-            share_texts(asked, session.shared)  # what it repeats is freed now, not when the call ends
+            # what it repeats is freed now, not when the call ends
+            session.last_request = share_request(asked, session.last_request, session.shared)
             chat = dialect.to_chat(asked)
         except (ValueError, TypeError, AttributeError) as exc:
             return json_reply(400, dialect.error(400, f"invalid {dialect.name} request: {exc}"))

@@ -142,6 +142,7 @@ class Session:
     engine_failure: str | None = None  # why its latest call got no answer from the engine; None once one did
     shared: dict = field(default_factory=dict, repr=False)  # texts and tool lists its calls hold once (share)
     last_messages: list = field(default_factory=list, repr=False)  # the last call's, as share() kept them
+    last_request: dict | None = field(default=None, repr=False)  # the last request read, as share_request left it
     graph_of: tuple | None = field(default=None, repr=False)  # (calls, parents, roles): graph()'s last answer
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)  # every call's prompt+completion
     prompts: PrefixIndex = field(default_factory=PrefixIndex, repr=False)  # every call's prompt

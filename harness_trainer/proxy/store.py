@@ -47,7 +47,7 @@ from harness_trainer.traces.compact import whole_request
 
 # journaled as they happen, or derived; engine_failure is not kept across a restart of the proxy
 NOT_JOURNALED = ("calls", "started_calls", "stops", "shared", "graph_of", "engine_failure", "prefixes",
-                 "prompts", "last_messages", "ids_text")
+                 "prompts", "last_messages", "last_request", "ids_text")
 FSYNC_EVERY_S = 1.0  # the most a machine's crash can lose of what was written
 
 

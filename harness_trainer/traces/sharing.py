@@ -29,15 +29,36 @@ def share_messages(messages: list, before: list, seen: dict) -> list:
     return [_share(m, seen) for m in messages]
 
 
-def share_texts(value, seen: dict):
-    """`value` (a parsed request), each long text in it made the object in `seen` (added there when new), in place;
-    returns `value`. Done as a request is read, the texts it repeats are freed at once, not held beside the
-    session's own copies while the call waits for its answer: 8 calls of a 1 MB conversation in flight held 8 MB
-    of them, and the heap kept that high water. A loop, not recursion: an agent's JSON may nest deep."""
-    stack = [value]
+def share_request(request: dict, before: dict | None, seen: dict) -> dict:
+    """`request` (a parsed model call) with each long text in it made the object in `seen` (added there when new),
+    in place; returns it. Done as a request is read, the texts it repeats are freed at once, not held beside the
+    session's own while the call waits for its answer (8 calls of a 1 MB conversation in flight held 8 MB of
+    them, and the heap kept that high water). A list that starts with `before`'s (the session's last request, as
+    this returned it: a conversation resent) takes those elements as they are, compared in C; the rest is
+    walked."""
+    for key, value in request.items():
+        old = before.get(key) if isinstance(before, dict) else None
+        if isinstance(value, list) and isinstance(old, list) and old and value[:len(old)] == old:
+            value[:len(old)] = old
+            share_texts(value, seen, start=len(old))
+        elif isinstance(value, str) and len(value) > LONG:
+            request[key] = seen.setdefault(value, value)
+        elif isinstance(value, (dict, list)):
+            share_texts(value, seen)
+    return request
+
+
+def share_texts(value, seen: dict, start: int = 0):
+    """`value`'s long texts (at any depth; a top list's from `start`) made the objects in `seen`, in place. A loop,
+    not recursion: an agent's JSON may nest deep."""
+    stack, first = [value], True
     while stack:
         node = stack.pop()
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        if isinstance(node, dict):
+            items = node.items()
+        else:
+            items = enumerate(node[start:] if first else node, start if first else 0)
+        first = False
         for key, item in items:
             if isinstance(item, str):
                 if len(item) > LONG:

@@ -54,25 +54,31 @@ def test_a_conversations_texts_are_held_once_across_its_calls():
     assert len(seen) == 3 and once == conversation
 
 
-def test_a_request_read_holds_the_texts_its_session_already_holds_and_no_copy():
-    """share_texts, as the proxy reads each request: every long text anywhere in it (a message, a content part,
-    a tool's description) becomes the object already held; short ones and the values stay as they were; an
-    agent's deeply nested JSON is walked without recursion."""
-    from harness_trainer.traces.sharing import share_texts
 
-    def request():
-        return {"messages": [{"role": "user", "content": "log " * 100},
-                             {"role": "tool", "content": [{"type": "text", "text": "out " * 100}, "ok"]}],
-                "tools": [{"description": "bash " * 80}], "n": 1}
+def test_a_request_read_holds_the_texts_its_session_already_holds_and_no_copy():
+    """share_request, as the proxy reads each request: every long text anywhere in it (a message, a content part,
+    a tool's description, a top-level system text) becomes the object already held, and a conversation that
+    resends the last one's takes its elements as they are; short texts and every value stay as they were; an
+    agent's deeply nested JSON is walked without recursion."""
+    from harness_trainer.traces.sharing import share_request
+
+    def request(turns: int):
+        return {"system": "rules " * 60, "n": 1, "tools": [{"description": "bash " * 80}],
+                "messages": [{"role": "user", "content": "log " * 100}] + [
+                    {"role": "tool", "content": [{"type": "text", "text": f"out {k} " * 100}, "ok"]}
+                    for k in range(turns)]}
 
     seen: dict = {}
-    first, second = share_texts(request(), seen), share_texts(request(), seen)
-    assert first == second == request()
-    assert second["messages"][0]["content"] is first["messages"][0]["content"]
-    assert second["messages"][1]["content"][0]["text"] is first["messages"][1]["content"][0]["text"]
-    assert second["tools"][0]["description"] is first["tools"][0]["description"]
+    first = share_request(request(1), None, seen)
+    second = share_request(request(2), first, seen)
+    other = share_request(request(2), {"messages": "not a list"}, seen)  # no usable last request: walked whole
+    assert first == request(1) and second == other == request(2)
+    assert second["messages"][0] is first["messages"][0] and second["messages"][1] is first["messages"][1]
+    assert other["messages"][2]["content"][0]["text"] is second["messages"][2]["content"][0]["text"]
+    assert other["messages"][0]["content"] is first["messages"][0]["content"]
+    assert other["system"] is first["system"] and other["tools"][0]["description"] is first["tools"][0]["description"]
     deep: list = ["x" * 300]
     for _ in range(5000):
         deep = [deep]
-    share_texts(deep, seen)
-    assert len(seen) == 4
+    share_request({"messages": deep}, None, seen)
+    assert len(seen) == 6
