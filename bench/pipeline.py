@@ -35,7 +35,7 @@ from pathlib import Path
 
 from rollouts_at_scale import make_tasks, start_stub
 
-from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.agents.command import CommandHarness
 from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer

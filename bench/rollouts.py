@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.models.tiny import ensure_tiny_model
 from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.rollouts.oracle import OracleUpstream
 from harness_trainer.rollouts.session import LocalSessionFactory, run_rollout
 from harness_trainer.rollouts.tasks import load_dataset
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
 
 HARNESSES = ("mini-swe-agent", "opencode", "claude-code:bare", "claude-code:full", "codex")

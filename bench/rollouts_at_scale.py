@@ -38,13 +38,13 @@ from pathlib import Path
 
 import psutil
 
-from harness_trainer.agents.harnesses import CommandHarness
-from harness_trainer.agents.images import LABEL
+from harness_trainer.agents.command import CommandHarness
 from harness_trainer.proxy.client import ProxyServer
 from harness_trainer.rollouts.pool import RolloutPool
 from harness_trainer.rollouts.session import LocalSessionFactory
 from harness_trainer.rollouts.tasks import load_dataset
 from harness_trainer.rollouts.trace_reader import CHECKER
+from harness_trainer.sandboxes.images import LABEL
 from harness_trainer.serving.process import ManagedProcess, free_port
 
 HERE = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ lookup unless its files' sizes and times are unchanged) as the context doubles.
 Last, rollouts per minute of the tiny model (its own samples, not an oracle) through mini-swe-agent in each
 sandbox, the same toy tasks, batches of 8 at once, interleaved, after two rounds of each not counted (`--rounds
 0` skips it: it starts an engine). A trial's cost is measured for a container cold (its own `docker run`) and
-one taking a spare (agents/spares.py: started ahead for a kind of trial that recurs); the rounds, past the two
+one taking a spare (sandboxes/spares.py: started ahead for a kind of trial that recurs); the rounds, past the two
 not counted, are a run's steady state, where a container trial takes a spare.
 
     .venv/bin/python bench/sandboxes.py [--trials 10] [--rounds 3]
@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harbor_corpus import build_task  # noqa: E402
 
-from harness_trainer.agents.containers import DockerSandbox  # noqa: E402
-from harness_trainer.agents.forwarder import SocketBridge  # noqa: E402
-from harness_trainer.agents.images import _cached_digest, context_digest, image_for  # noqa: E402
-from harness_trainer.agents.sandbox import LocalSandbox  # noqa: E402
-from harness_trainer.agents.spares import SPARES  # noqa: E402
 from harness_trainer.rollouts.tasks import load_task  # noqa: E402
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox  # noqa: E402
+from harness_trainer.sandboxes.containers import DockerSandbox  # noqa: E402
+from harness_trainer.sandboxes.forwarder import SocketBridge  # noqa: E402
+from harness_trainer.sandboxes.images import _cached_digest, context_digest, image_for  # noqa: E402
+from harness_trainer.sandboxes.spares import SPARES  # noqa: E402
 
 
 def trial(make) -> dict[str, float]:

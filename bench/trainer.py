@@ -44,7 +44,7 @@ def async_vs_sync(engine_url: str, steps: int = 8) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_trainer import SAY, say_task  # the few-line agent program and its task
 
-    from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.agents.command import CommandHarness
     from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.proxy.client import ProxyServer
     from harness_trainer.rollouts.session import LocalSessionFactory

@@ -249,7 +249,7 @@ install_tmux() {
 }
 if command -v tmux >/dev/null 2>&1; then wanted tmux && echo "setup: tmux is present"
 else run_step tmux "apt" install_tmux; fi
-install_cc() {  # each trial's forwarder is compiled once (agents/forwarder.c); without cc it is a Python process
+install_cc() {  # each trial's forwarder is compiled once (sandboxes/forwarder.c); without cc it is a Python process
   if [ "$(id -u)" != 0 ]; then echo "not root: apt-get install gcc libc6-dev yourself"; return 1; fi
   (apt-get install -y gcc libc6-dev || { apt-get update && apt-get install -y gcc libc6-dev; })
 }

@@ -2,8 +2,9 @@
 
 from pathlib import Path
 
-from harness_trainer.agents.harnesses import make_harness
-from harness_trainer.agents.sandbox import ExecResult, LocalSandbox
+from harness_trainer.agents.registry import make_harness
+from harness_trainer.sandboxes.base import ExecResult
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox
 
 RECORDED = Path(__file__).parent / "agents"
 

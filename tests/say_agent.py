@@ -8,7 +8,7 @@ import shlex
 import textwrap
 from pathlib import Path
 
-from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.agents.command import CommandHarness
 
 SAY = textwrap.dedent("""
     import json, os, sys, urllib.request

@@ -270,6 +270,7 @@ class ScriptedSessions:
         self.script, self.version, self.held = script, version, held or {}
         self.sampling = None
         self.created: list[str] = []
+        self.closed = False
 
     def __call__(self, sampling):
         self.sampling = sampling
@@ -280,6 +281,9 @@ class ScriptedSessions:
         turns, reward = self.script(task, index, episode_id, self.version())
         self.created.append(episode_id)
         return ScriptedSession(episode_id, turns, reward, self.held.get(task.name))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class StubPolicy:
@@ -374,7 +378,7 @@ class StubSync:
 
 
 class TrialBox:
-    """A sandbox of a user's own, named `--sandbox stubs:TrialBox` (agents/sandboxes.py takes module:Class): it
+    """A sandbox of a user's own, named `--sandbox stubs:TrialBox` (sandboxes/registry.py takes module:Class): it
     keeps the Trial it was made from, for the test to read."""
 
     def __init__(self, trial):

@@ -119,3 +119,12 @@ def test_no_function_past_60_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not long, f"split these: {long}"
+
+
+def test_a_value_outside_a_fixed_set_is_refused_in_words_written_once():
+    """harness_trainer/choices.py words every such refusal ("--flag 'value': choose a, b or c"); no module writes
+    its own list of choices into a message."""
+    own = [f"{p.relative_to(REPO)}:{n}" for p in sorted(PACKAGE.rglob("*.py")) if p.name != "choices.py"
+           for n, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"choose one of|must be one of|use one of|(choose|one of) \{.*join\(", line)]
+    assert own == [], f"write these with choices.choose / refused: {own}"

@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Iterator
+from pathlib import Path
 
-from harness_trainer._exceptions import HarnessError
 from harness_trainer.agents.base import AgentReport, AgentRun, read_file
-from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.events import EventsHarness
+from harness_trainer.paths import TOOLS
+from harness_trainer.sandboxes.base import Sandbox
 
-AIDER = REPO_ROOT / ".tools" / "aider" / "bin" / "aider"
+AIDER = TOOLS / "aider" / "bin" / "aider"
 HISTORY = "/logs/agent/aider.chat.history.md"
 SETTINGS = "/home/.aider.model.settings.yml"
 # Without git aider sees none of the workspace's files (it can only make new ones): where Harbor's recipe runs it
@@ -45,25 +48,28 @@ NOT_APPLIED = ("did not conform to the edit format", "failed to match")
 API_ERROR = re.compile(r"^litellm\.\w+Error")
 
 
-class Aider:
+class Aider(EventsHarness):
     name = "aider"
+    needs = ""
 
-    def check_installed(self) -> None:
-        if not AIDER.exists():
-            raise HarnessError(f"aider is not installed ({AIDER} is missing): run `make setup`")
+    def programs(self) -> list[Path | None]:
+        return [AIDER]
 
-    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
-        model = f"openai/{run.model}"
-        env = {"HOME": "/home", "PWD": run.workdir, "HARNESS_TASK": run.instruction, "NO_COLOR": "1",
-               "OPENAI_API_KEY": run.api_key, "OPENAI_API_BASE": run.base_url,
-               "HARNESS_AIDER_SETTINGS": f"- name: {json.dumps(model)}\n  use_temperature: false\n"}
-        command = (f"{NEEDS_GIT}mkdir -p /logs/agent && printf '%s' \"$HARNESS_AIDER_SETTINGS\" > {SETTINGS} && "
-                   f"{SNAPSHOT}{shlex.quote(str(AIDER))} {FLAGS} --model-settings-file {SETTINGS} "
-                   f"--model {shlex.quote(model)} --message \"$HARNESS_TASK\" </dev/null >/logs/agent/aider.txt 2>&1")
-        return command, env
+    def files(self, run: AgentRun) -> dict[str, tuple[str, str]]:
+        return {"HARNESS_AIDER_SETTINGS": (SETTINGS, f"- name: {json.dumps(f'openai/{run.model}')}\n"
+                                                     "  use_temperature: false\n")}
 
-    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
-        report = AgentReport(exit_status=f"exit {result.returncode}")
+    def environment(self, run: AgentRun) -> dict[str, str]:
+        return {"OPENAI_API_KEY": run.api_key, "OPENAI_API_BASE": run.base_url}
+
+    def command(self, run: AgentRun) -> str:
+        return (f"{NEEDS_GIT}{SNAPSHOT}{shlex.quote(str(AIDER))} {FLAGS} --model-settings-file {SETTINGS} "
+                f"--model {shlex.quote(f'openai/{run.model}')} --message \"$HARNESS_TASK\" "
+                "</dev/null >/logs/agent/aider.txt 2>&1")
+
+    def read(self, events: Iterator[dict], report: AgentReport, sandbox: Sandbox) -> None:
+        """Its chat history, not an events file: aider's notes (lines starting >) say what was applied, what
+        failed and which API errors were retried; the rest is what the model said."""
         errors, retries, last_error = 0, 0, ""
         said: list[str] = []
         for line in (read_file(sandbox, HISTORY) or "").splitlines():
@@ -74,7 +80,7 @@ class Aider:
                 continue
             _flush(report, said)
             if note.startswith("Applied edit to "):
-                report.tool_calls_by_name["edit"] = report.tool_calls_by_name.get("edit", 0) + 1
+                report.called("edit")
             elif any(text in note for text in NOT_APPLIED):
                 report.tool_failure_count += 1
                 report.invalid_tool_calls += "did not conform" in note
@@ -87,7 +93,6 @@ class Aider:
         if errors > retries:  # its last error was not retried: the model API failed the run
             report.failure = f"aider: {last_error[:300]}"
             report.exit_status += f"; aider error: {last_error[:300]}"
-        return report
 
 
 def _flush(report: AgentReport, said: list[str]) -> None:

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from harness_trainer.agents.sandbox import ExecResult, Sandbox
+from harness_trainer._exceptions import HarnessError
+from harness_trainer.sandboxes.base import ExecResult, Sandbox
+
+INSIDE = Path(__file__).with_name("inside")  # what is copied into the sandbox to run there
 
 
 @dataclass
@@ -47,6 +50,10 @@ class AgentReport:
     @property
     def tool_call_count(self) -> int:
         return sum(self.tool_calls_by_name.values())
+
+    def called(self, tool: str) -> None:
+        """One more call of `tool`."""
+        self.tool_calls_by_name[tool] = self.tool_calls_by_name.get(tool, 0) + 1
 
 
 class Harness(Protocol):
@@ -90,3 +97,13 @@ def exit_reason(code: int, said: str = "") -> str:
         killed = ""
     words = f" (the agent: {said})" if said not in ("", f"exit {code}") else ""
     return f"the agent exited with code {code}{killed}; its workspace was verified as it stood{words}"
+
+
+def agent_config(config: str | None, compact: Path, kind: str) -> Path | None:
+    """--agent-config for an agent that reads a file: none or 'full' (its own set-up), 'compact' (the packaged
+    file), or a path that must exist."""
+    path = compact if config == "compact" else Path(config) if config not in (None, "full") else None
+    if path is not None and not path.is_file():
+        raise HarnessError(f"--agent-config {config}: no such file (give {kind}, or 'compact' for the packaged "
+                           "short prompt)")
+    return path

@@ -9,16 +9,20 @@ models whose context cannot hold the full tool set (≈ 70k characters); the def
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterator
+from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_events
-from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.base import AgentReport, AgentRun
+from harness_trainer.agents.events import EVENTS, EventsHarness
+from harness_trainer.paths import TOOLS
+from harness_trainer.sandboxes.base import Sandbox
 
-CLAUDE = REPO_ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
+CLAUDE = TOOLS / "claude-code" / "node_modules" / ".bin" / "claude"
 MODES = ("full", "bare")
 
 
-class ClaudeCode:
+class ClaudeCode(EventsHarness):
     name = "claude-code"
 
     def __init__(self, mode: str | None = None):
@@ -27,36 +31,33 @@ class ClaudeCode:
                                "(its slim mode, one Bash tool: for small models)")
         self.mode = mode or "full"
 
-    def check_installed(self) -> None:
-        if not CLAUDE.exists():
-            raise HarnessError(f"claude-code is not installed at {CLAUDE}: run `make setup` (needs npm)")
+    def programs(self) -> list[Path | None]:
+        return [CLAUDE]
 
-    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+    def environment(self, run: AgentRun) -> dict[str, str]:
         model = run.model
-        env = {"HOME": "/home", "HARNESS_TASK": run.instruction, "PWD": run.workdir,
-               "ANTHROPIC_BASE_URL": run.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": run.api_key,
-               "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
-               "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
-               "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
-               "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-               "CLAUDE_CODE_MAX_RETRIES": "2"}
-        slim = " --bare --tools Bash" if self.mode == "bare" else ""
-        command = (f"mkdir -p /logs/agent && {shlex.quote(str(CLAUDE))} -p \"$HARNESS_TASK\" --allowedTools Bash"
-                   f"{slim} --max-turns {int(run.step_limit)} --output-format stream-json --verbose "
-                   "</dev/null >/logs/agent/events.jsonl")
-        return command, env
+        return {"ANTHROPIC_BASE_URL": run.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": run.api_key,
+                "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
+                "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
+                "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+                "CLAUDE_CODE_MAX_RETRIES": "2"}
 
-    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+    def command(self, run: AgentRun) -> str:
+        slim = " --bare --tools Bash" if self.mode == "bare" else ""
+        return (f"{shlex.quote(str(CLAUDE))} -p \"$HARNESS_TASK\" --allowedTools Bash"
+                f"{slim} --max-turns {int(run.step_limit)} --output-format stream-json --verbose "
+                f"</dev/null >{EVENTS}")
+
+    def read(self, events: Iterator[dict], report: AgentReport, sandbox: Sandbox) -> None:
         """Tool calls by name (tool_use blocks), failures (tool_result is_error) and the final result, from its
         stream-json events."""
-        report = AgentReport(exit_status=f"exit {result.returncode}")
-        for event in read_events(sandbox):
+        for event in events:
             blocks = (event.get("message") or {}).get("content") or []
             for block in blocks if isinstance(blocks, list) else []:
                 if block.get("type") == "tool_use":
-                    name = block.get("name", "?")
-                    report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                    report.called(block.get("name", "?"))
                 elif block.get("type") == "tool_result" and block.get("is_error"):
                     report.tool_failure_count += 1
                 elif block.get("type") == "text" and event.get("type") == "assistant" and block.get("text"):
@@ -66,4 +67,3 @@ class ClaudeCode:
                 report.exit_status += f"; claude-code error: {text}"
                 if event.get("api_error_status") or text.startswith("API Error"):  # not max-turns: the API failed it
                     report.failure = f"claude-code: {text}"
-        return report

@@ -13,13 +13,15 @@ What it did is read from its --json events: each tool call's start and end (a co
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
-from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_events
-from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.base import AgentReport, AgentRun
+from harness_trainer.agents.events import EVENTS, EventsHarness, platform_binary
+from harness_trainer.paths import TOOLS
+from harness_trainer.sandboxes.base import Sandbox
 
-CLINE_PACKAGES = REPO_ROOT / ".tools" / "cline" / "node_modules" / "@cline"
+CLINE_PACKAGES = TOOLS / "cline" / "node_modules" / "@cline"
 KEY_VARIABLE = "HARNESS_CAPTURE_KEY"
 UNKNOWN_TOOL = "NoSuchToolError"  # in its answer to a call of a tool it does not have
 # A run starts a "hub" daemon in a session of its own that outlives it (12 minutes and counting, alone on a host);
@@ -29,37 +31,32 @@ STOP_HUB = ("for p in /proc/[0-9]*; do case \"$(tr '\\0' ' ' <$p/cmdline 2>/dev/
 
 
 def cline_binary() -> Path | None:
-    """The platform package's binary, the one npm's `cline` launcher (a Node script) runs."""
-    found = sorted(CLINE_PACKAGES.glob("cli-linux-*/bin/cline"))
-    return found[0] if found else None
+    return platform_binary(CLINE_PACKAGES, "cli-linux-*/bin/cline")
 
 
-class Cline:
+class Cline(EventsHarness):
     name = "cline"
 
-    def check_installed(self) -> None:
-        if cline_binary() is None:
-            raise HarnessError(f"cline is not installed under {CLINE_PACKAGES}: run `make setup` (needs npm)")
+    def programs(self) -> list[Path | None]:
+        return [cline_binary()]
 
-    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+    def environment(self, run: AgentRun) -> dict[str, str]:
+        return {KEY_VARIABLE: run.api_key}
+
+    def command(self, run: AgentRun) -> str:
         cline, model = shlex.quote(str(cline_binary())), shlex.quote(run.model)
-        env = {"HOME": "/home", "PWD": run.workdir, "HARNESS_TASK": run.instruction, KEY_VARIABLE: run.api_key,
-               "NO_COLOR": "1"}
-        command = (f"mkdir -p /logs/agent && {cline} auth -p openai -k \"${KEY_VARIABLE}\" -m {model} "
-                   f"-b {shlex.quote(run.base_url)} >/logs/agent/auth.log 2>&1 && "
-                   f"{{ {cline} --json -m {model} -- \"$HARNESS_TASK\" </dev/null >/logs/agent/events.jsonl; "
-                   f"code=$?; {STOP_HUB}; exit $code; }}")
-        return command, env
+        return (f"{cline} auth -p openai -k \"${KEY_VARIABLE}\" -m {model} "
+                f"-b {shlex.quote(run.base_url)} >/logs/agent/auth.log 2>&1 && "
+                f"{{ {cline} --json -m {model} -- \"$HARNESS_TASK\" </dev/null >{EVENTS}; "
+                f"code=$?; {STOP_HUB}; exit $code; }}")
 
-    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
-        report = AgentReport(exit_status=f"exit {result.returncode}")
+    def read(self, events: Iterator[dict], report: AgentReport, sandbox: Sandbox) -> None:
         errors = []
-        for event in read_events(sandbox):
+        for event in events:
             inner = event.get("event") if isinstance(event.get("event"), dict) else {}
             kind, content = inner.get("type"), inner.get("contentType")
             if kind == "content_start" and content == "tool":
-                name = inner.get("toolName") or "?"
-                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                report.called(inner.get("toolName") or "?")
             elif kind == "content_end" and content == "tool":
                 output = inner.get("output")
                 results = output if isinstance(output, list) else [output]
@@ -74,4 +71,3 @@ class Cline:
                 message = (errors[-1] if errors else "the run ended in an error")[:300]
                 report.exit_status += f"; cline error: {message}"
                 report.failure = f"cline: {message}"
-        return report

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
-from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_events
-from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.base import AgentReport, AgentRun
+from harness_trainer.agents.events import EVENTS, EventsHarness, platform_binary
+from harness_trainer.paths import TOOLS
+from harness_trainer.sandboxes.base import Sandbox
 
-CODEX_PACKAGES = REPO_ROOT / ".tools" / "codex" / "node_modules" / "@openai"
+CODEX_PACKAGES = TOOLS / "codex" / "node_modules" / "@openai"
 KEY_VARIABLE = "HARNESS_CAPTURE_KEY"
 NETWORK_WAIT, NETWORK_TRIES = "waiting for network", 3
 # its --json item types that are tool calls -> the tool the model called (None: the item names it)
@@ -41,48 +43,43 @@ def config_toml(run: AgentRun) -> str:
         "enabled = false", ""])
 
 
-def codex_binary() -> Path | None:
-    """The platform package's static binary, the one npm's `codex` launcher (a Node script) execs."""
-    found = sorted(CODEX_PACKAGES.glob("codex-linux-*/vendor/*/bin/codex"))
-    return found[0] if found else None
+def codex_binary() -> Path | None:  # static (musl)
+    return platform_binary(CODEX_PACKAGES, "codex-linux-*/vendor/*/bin/codex")
 
 
-class Codex:
+class Codex(EventsHarness):
     name = "codex"
 
-    def check_installed(self) -> None:
-        if codex_binary() is None:
-            raise HarnessError(f"codex is not installed under {CODEX_PACKAGES}: run `make setup` (needs npm)")
+    def programs(self) -> list[Path | None]:
+        return [codex_binary()]
 
-    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
+    def files(self, run: AgentRun) -> dict[str, tuple[str, str]]:
+        return {"HARNESS_CODEX_CONFIG": ("/home/.codex/config.toml", config_toml(run))}
+
+    def environment(self, run: AgentRun) -> dict[str, str]:
         # TMPDIR must not contain CODEX_HOME, or codex cannot make its helper links and every command fails.
-        env = {"HOME": "/home", "CODEX_HOME": "/home/.codex", "TMPDIR": "/tmp", "PWD": run.workdir,
-               "HARNESS_TASK": run.instruction, "HARNESS_CODEX_CONFIG": config_toml(run), KEY_VARIABLE: run.api_key,
-               "RUST_LOG": "error", "NO_COLOR": "1", "CODEX_MANAGED_BY_NPM": "1"}
-        events = "/logs/agent/events.jsonl"
+        return {"CODEX_HOME": "/home/.codex", "TMPDIR": "/tmp", KEY_VARIABLE: run.api_key, "RUST_LOG": "error",
+                "CODEX_MANAGED_BY_NPM": "1"}
+
+    def command(self, run: AgentRun) -> str:
         # With no server codex reconnects forever (at 0, 6, 16, 37, 78 s ...): a watcher ends it after
         # NETWORK_TRIES such messages, which still rides out a proxy restart of a few seconds.
-        command = ("mkdir -p /logs/agent /home/.codex && "
-                   "printf '%s' \"$HARNESS_CODEX_CONFIG\" > /home/.codex/config.toml && "
-                   f"{{ {shlex.quote(str(codex_binary()))} exec --skip-git-repo-check "
-                   "--dangerously-bypass-approvals-and-sandbox "
-                   f"--json \"$HARNESS_TASK\" </dev/null >{events} & agent=$!; "
-                   f"( while sleep 1; do [ \"$(grep -c '{NETWORK_WAIT}' {events})\" -ge {NETWORK_TRIES} ] && "
-                   "kill $agent && exit; done ) & watcher=$!; "
-                   "wait $agent; code=$?; kill $watcher 2>/dev/null; exit $code; }")
-        return command, env
+        return (f"{{ {shlex.quote(str(codex_binary()))} exec --skip-git-repo-check "
+                "--dangerously-bypass-approvals-and-sandbox "
+                f"--json \"$HARNESS_TASK\" </dev/null >{EVENTS} & agent=$!; "
+                f"( while sleep 1; do [ \"$(grep -c '{NETWORK_WAIT}' {EVENTS})\" -ge {NETWORK_TRIES} ] && "
+                "kill $agent && exit; done ) & watcher=$!; "
+                "wait $agent; code=$?; kill $watcher 2>/dev/null; exit $code; }")
 
-    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
+    def read(self, events: Iterator[dict], report: AgentReport, sandbox: Sandbox) -> None:
         """Tool calls by name (command_execution items are its exec_command tool), failures (non-zero exit), the
         agent's messages, and a model-API failure: `turn.failed`, or a run that never completed its turn after
         `error` events (reconnecting, killed)."""
-        report = AgentReport(exit_status=f"exit {result.returncode}")
         errors, completed = [], False
-        for event in read_events(sandbox):
+        for event in events:
             kind, item = event.get("type"), event.get("item") or {}
             if kind == "item.completed" and item.get("type") in TOOL_ITEMS:
-                name = TOOL_ITEMS[item["type"]] or item.get("tool") or "?"
-                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                report.called(TOOL_ITEMS[item["type"]] or item.get("tool") or "?")
                 if item.get("status") == "failed" or item.get("exit_code") not in (0, None):
                     report.tool_failure_count += 1
             elif kind == "item.completed" and item.get("type") == "agent_message" and item.get("text"):
@@ -93,7 +90,6 @@ class Codex:
                 errors.append(str((event.get("error") or {}).get("message", "turn failed")))
             elif kind == "error":
                 errors.append(str(event.get("message", "")))
-        if errors and (not completed or result.returncode != 0):
+        if errors and (not completed or report.exit_status != "exit 0"):
             report.failure = f"codex: {errors[-1][:300]}" + (" (stopped: no server)" if NETWORK_WAIT in errors[-1]
                                                               else "")
-        return report

@@ -19,15 +19,18 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_events, read_file
-from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.base import INSIDE, AgentReport, AgentRun, read_file
+from harness_trainer.agents.events import EVENTS, EventsHarness
+from harness_trainer.paths import TOOLS
+from harness_trainer.sandboxes.base import Sandbox
 
-NODE = REPO_ROOT / ".tools" / "node" / "bin" / "node"  # the Node agents' runtime (a copy of the host's)
-GEMINI = REPO_ROOT / ".tools" / "gemini-cli" / "node_modules" / "@google" / "gemini-cli" / "bundle" / "gemini.js"
-COMPACT_PROMPT = Path(__file__).with_name("gemini_compact.md")
+NODE = TOOLS / "node" / "bin" / "node"  # the Node agents' runtime (a copy of the host's)
+GEMINI = TOOLS / "gemini-cli" / "node_modules" / "@google" / "gemini-cli" / "bundle" / "gemini.js"
+COMPACT_PROMPT = INSIDE / "gemini_compact.md"
 SHELL = "run_shell_command"
 INVALID = ("tool_not_registered", "invalid_tool_params")  # its error types for a call it could not make
 EXIT_CODE = re.compile(r"\nExit Code: (-?\d+)")
@@ -59,50 +62,53 @@ def read_settings(config: str | None, agent: str) -> tuple[bool, dict]:
     return False, overrides
 
 
-def settings(run: AgentRun, overrides: dict, compact: bool) -> dict:
-    ours = {"security": {"auth": {"selectedType": "gemini-api-key"}},
-            "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
-            "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False, "maxAttempts": 3},
-            "model": {"maxSessionTurns": int(run.step_limit)}}
-    return merge(overrides, ours | ({"tools": {"core": [SHELL]}} if compact else {}))
-
-
-class GeminiCli:
+class GeminiCli(EventsHarness):
+    """gemini-cli; qwen-code, its fork, is this with its own settings, variables, command and events."""
     name = "gemini-cli"
+    needs = "npm and Node.js 20+"
+    home = ".gemini"  # its settings folder under /home
 
     def __init__(self, config: str | None = None):
-        self.compact, self.overrides = read_settings(config, "gemini-cli")
+        self.compact, self.overrides = read_settings(config, self.name)
 
-    def check_installed(self) -> None:
-        for path in (GEMINI, NODE):
-            if not path.exists():
-                raise HarnessError(f"gemini-cli is not installed ({path} is missing): run `make setup` (needs npm "
-                                   "and Node.js 20+)")
+    def programs(self) -> list[Path | None]:
+        return [GEMINI, NODE]
 
-    def prepare(self, run: AgentRun) -> tuple[str, dict[str, str]]:
-        env = {"HOME": "/home", "PWD": run.workdir, "HARNESS_TASK": run.instruction,
-               "HARNESS_GEMINI_SETTINGS": json.dumps(settings(run, self.overrides, self.compact)),
-               "GEMINI_API_KEY": run.api_key, "GOOGLE_GEMINI_BASE_URL": run.base_url.removesuffix("/v1"),
-               "GEMINI_CLI_TRUST_WORKSPACE": "true",  # else --yolo falls back to asking, which headless cannot
-               "GEMINI_CLI_NO_RELAUNCH": "true",  # it would start itself again in a child Node for a larger heap
-               "NO_COLOR": "1"}
-        write = "mkdir -p /logs/agent /home/.gemini && " \
-                "printf '%s' \"$HARNESS_GEMINI_SETTINGS\" > /home/.gemini/settings.json && "
-        if self.compact:
-            env |= {"HARNESS_GEMINI_SYSTEM": COMPACT_PROMPT.read_text(), "GEMINI_SYSTEM_MD": "/home/.gemini/system.md"}
-            write += "printf '%s' \"$HARNESS_GEMINI_SYSTEM\" > /home/.gemini/system.md && "
+    def settings(self, run: AgentRun) -> dict:
+        ours = {"security": {"auth": {"selectedType": "gemini-api-key"}},
+                "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+                "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False, "maxAttempts": 3},
+                "model": {"maxSessionTurns": int(run.step_limit)}}
+        return merge(self.overrides, ours | ({"tools": {"core": [SHELL]}} if self.compact else {}))
+
+    def variables(self, run: AgentRun) -> dict[str, str]:
+        return {"GEMINI_API_KEY": run.api_key, "GOOGLE_GEMINI_BASE_URL": run.base_url.removesuffix("/v1"),
+                "GEMINI_CLI_TRUST_WORKSPACE": "true",  # else --yolo falls back to asking, which headless cannot
+                "GEMINI_CLI_NO_RELAUNCH": "true"}  # it would start itself again in a child Node for a larger heap
+
+    def files(self, run: AgentRun) -> dict[str, tuple[str, str]]:
+        """settings.json in its folder, and with `compact` the short system prompt beside it (the same for the fork:
+        the same shell tool name)."""
+        variable = f"HARNESS_{self.home.strip('.').upper()}"
+        return {f"{variable}_SETTINGS": (f"/home/{self.home}/settings.json", json.dumps(self.settings(run))),
+                **({f"{variable}_SYSTEM": (f"/home/{self.home}/system.md", COMPACT_PROMPT.read_text())}
+                   if self.compact else {})}
+
+    def environment(self, run: AgentRun) -> dict[str, str]:
+        system = {f"{self.home.strip('.').upper()}_SYSTEM_MD": f"/home/{self.home}/system.md"} if self.compact else {}
+        return self.variables(run) | system
+
+    def command(self, run: AgentRun) -> str:
         # its session file, for the exit codes its events leave out, kept beside the events
         keep = "cp \"$(ls -t /home/.gemini/tmp/*/chats/session-*.jsonl 2>/dev/null | head -n 1)\" " \
                "/logs/agent/session.jsonl 2>/dev/null"
-        command = (f"{write}{{ {shlex.quote(str(NODE))} {shlex.quote(str(GEMINI))} --yolo "
-                   f"--model={shlex.quote(run.model)} --prompt=\"$HARNESS_TASK\" --output-format stream-json "
-                   f"</dev/null >/logs/agent/events.jsonl; code=$?; {keep}; exit $code; }}")
-        return command, env
+        return (f"{{ {shlex.quote(str(NODE))} {shlex.quote(str(GEMINI))} --yolo "
+                f"--model={shlex.quote(run.model)} --prompt=\"$HARNESS_TASK\" --output-format stream-json "
+                f"</dev/null >{EVENTS}; code=$?; {keep}; exit $code; }}")
 
-    def collect(self, sandbox: Sandbox, result: ExecResult) -> AgentReport:
-        report = AgentReport(exit_status=f"exit {result.returncode}")
+    def read(self, events: Iterator[dict], report: AgentReport, sandbox: Sandbox) -> None:
         joining = False  # the last assistant message is still arriving in pieces (delta events)
-        for event in read_events(sandbox):
+        for event in events:
             kind = event.get("type")
             if kind == "message" and event.get("role") == "assistant" and event.get("content"):
                 if joining and event.get("delta"):
@@ -113,18 +119,21 @@ class GeminiCli:
                 continue
             joining = False
             if kind == "tool_use":
-                name = event.get("tool_name") or "?"
-                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                report.called(event.get("tool_name") or "?")
             elif kind == "tool_result" and event.get("status") == "error":
                 report.tool_failure_count += 1
                 report.invalid_tool_calls += (event.get("error") or {}).get("type") in INVALID
             elif kind == "result" and event.get("status") == "error":
-                message = str((event.get("error") or {}).get("message") or "error")[:300]
-                report.exit_status += f"; gemini-cli error: {message}"
-                if message.startswith("[API Error"):  # not a turn limit: the model API failed it
-                    report.failure = f"gemini-cli: {message}"
+                api_error(report, self.name, str((event.get("error") or {}).get("message") or "error"))
         report.tool_failure_count += failed_commands(read_file(sandbox, "/logs/agent/session.jsonl") or "")
-        return report
+
+
+def api_error(report: AgentReport, agent: str, message: str) -> None:
+    """gemini-cli's and qwen-code's error result: said in the exit status; the rollout's failure where the model API
+    failed it (not a turn limit)."""
+    report.exit_status += f"; {agent} error: {message[:300]}"
+    if message.startswith("[API Error"):
+        report.failure = f"{agent}: {message[:300]}"
 
 
 def failed_commands(session: str) -> int:

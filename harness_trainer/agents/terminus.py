@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import shlex
-from pathlib import Path
 
 from harness_trainer._exceptions import HarnessError
-from harness_trainer.agents.base import AgentReport, AgentRun, read_file
-from harness_trainer.agents.sandbox import REPO_ROOT, ExecResult, Sandbox
+from harness_trainer.agents.base import INSIDE, AgentReport, AgentRun, read_file
+from harness_trainer.paths import venv_python
+from harness_trainer.sandboxes.base import ExecResult, Sandbox
 
-HARBOR_PYTHON = REPO_ROOT / ".venv-harbor" / "bin" / "python"
-RUNNER = Path(__file__).with_name("terminus_run.py")
+HARBOR_PYTHON = venv_python("harbor")
+RUNNER = INSIDE / "terminus_run.py"
 PARSE_ERROR = "Previous response had parsing errors"
 # litellm's exceptions for a model API that did not answer (a context overflow is not one: the run ends as it stood)
 API_ERRORS = {"APIConnectionError", "APIError", "InternalServerError", "ServiceUnavailableError", "RateLimitError",
@@ -64,8 +64,7 @@ class Terminus2:
                 continue
             report.completion.append({"role": "assistant", "content": str(step.get("message") or "")})
             for call in step.get("tool_calls") or []:
-                name = call.get("function_name") or "?"
-                report.tool_calls_by_name[name] = report.tool_calls_by_name.get(name, 0) + 1
+                report.called(call.get("function_name") or "?")
             seen = "\n".join(str(r.get("content") or "") for r in (step.get("observation") or {}).get("results") or [])
             report.invalid_tool_calls += seen.startswith(PARSE_ERROR)
             if seen:  # what the terminal (or terminus-2) answered, as the next prompt said it

@@ -28,7 +28,8 @@ class EvalConfig(RolloutConfig):
     names and help for the sampling ones, and eval's own."""
     dataset: str = option("builtin:toy-heldout", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME; with "
                                                  "--environment, a .jsonl (or .json) of rows with a 'prompt' column")
-    policy: str = option("model", "who answers model calls: model, or oracle (each task's known solution)")
+    policy: str = option("model", "who answers model calls: model, or oracle (each task's known solution)",
+                         choices=("model", "oracle"))
     num_generations: int = same_as("num_generations", 1)
     max_concurrent_rollouts: int = same_as("max_concurrent_rollouts")
     temperature: float = same_as("temperature")
@@ -43,8 +44,6 @@ class EvalConfig(RolloutConfig):
 
     def check(self) -> None:
         super().check()
-        if self.policy not in ("model", "oracle"):
-            raise ConfigError(f"unknown --policy '{self.policy}': choose model or oracle")
         if self.environment and self.policy != "model":
             raise ConfigError("--policy oracle replays Harbor tasks' solutions; an --environment has none")
 
@@ -116,11 +115,12 @@ def evaluate(cfg: EvalConfig, progress=None) -> tuple[EvalSummary, list[RolloutR
         tasks = load_dataset(cfg.dataset, cfg.skip_invalid_tasks)[: cfg.limit]
     out = Path(cfg.output_dir)
     if environment is None:  # the agent, refused tasks and images, before anything starts or any file is removed
-        from harness_trainer.agents.harnesses import make_harness
-        from harness_trainer.agents.sandboxes import check_task_sandboxes
+        from harness_trainer.agents.registry import make_harness
+        from harness_trainer.sandboxes.registry import check_task_sandboxes
 
         make_harness(cfg.harness, cfg.agent_command, cfg.agent_config).check_installed()
-        runnable = check_task_sandboxes(cfg, tasks, out / "builds")
+        runnable = check_task_sandboxes(cfg.sandbox, tasks, out / "builds", public_url=cfg.public_url,
+                                        force_build=cfg.force_build, skip_invalid=cfg.skip_invalid_tasks)
         kept = {t.name for t in runnable}
         skipped, tasks = [t.name for t in tasks if t.name not in kept], runnable
     out.mkdir(parents=True, exist_ok=True)

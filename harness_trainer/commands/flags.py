@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from harness_trainer._exceptions import ConfigError
+from harness_trainer.choices import flag, one_of
 
 
 def parse_bool(text) -> bool:
@@ -51,8 +52,12 @@ CONVERTERS = {"int": int, "float": float, "float | None": parse_optional_float, 
               "bool": parse_bool, "bool | None": parse_optional_bool}
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def help_of(f: dataclasses.Field) -> str:
+    """A field's help, naming every value it may take where it has a fixed set the text leaves some out of."""
+    text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+    if choices and not all(str(choice) in text for choice in choices):
+        text += f" (choose {one_of(choices)})"
+    return text
 
 
 def fields_of(config_cls, skip: tuple[str, ...] = ()) -> dict[str, dataclasses.Field]:
@@ -73,7 +78,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls, skip: tuple[st
             extra["action"] = "append"
         if f.metadata.get("required"):
             extra["required"] = True
-        shown = argparse.SUPPRESS if f.metadata.get("deprecated") else f.metadata.get("help", "") + default
+        shown = argparse.SUPPRESS if f.metadata.get("deprecated") else help_of(f) + default
         parser.add_argument(flag(name), dest=name, type=CONVERTERS.get(kind, str), default=argparse.SUPPRESS,
                             help=shown, **extra)
         if "_" in name:  # HfArgumentParser's other spelling; its own action, so messages name the flag once

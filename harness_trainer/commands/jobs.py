@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_trainer._exceptions import JobError
+from harness_trainer.choices import choose
 from harness_trainer.models.hub import is_hub_id
+from harness_trainer.paths import REPO_ROOT
 
 # Python 3.11 (scripts/setup.sh's interpreter) on Debian; the CUDA libraries come with the torch and vllm wheels
 # and the driver with the host, so no CUDA image is needed.
@@ -51,7 +53,6 @@ ENGINE_PORT, PROXY_PORT = 8000, 8300
 ENGINE_START_S = 1800  # the bound on vLLM's start in the job: loading (not downloading) the largest models
 NPM_AGENTS = ("opencode", "claude-code", "codex", "cline", "gemini-cli", "qwen-code")
 NODE_AGENTS = ("gemini-cli", "qwen-code")  # Node programs: they run on the copy setup.sh makes of the image's node
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVORS = ("cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4",
            "l40sx1", "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large",
            "a100x4", "a100x8", "h200", "h200x2", "h200x4", "h200x8", "rtx-pro-6000", "rtx-pro-6000x2",
@@ -73,8 +74,7 @@ class JobLaunchConfig:
 
 
 def gpu_count(flavor: str) -> int:
-    if flavor not in FLAVORS:
-        raise JobError(f"unknown flavor '{flavor}': choose one of {', '.join(FLAVORS)}")
+    choose("--flavor", flavor, FLAVORS, JobError)
     if flavor.startswith("cpu-"):
         return 0
     multi = re.search(r"x(\d+)$", flavor)

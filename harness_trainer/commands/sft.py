@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness_trainer._exceptions import SFTError
-from harness_trainer.rollouts.config import option
-from harness_trainer.training.config import same_as
+from harness_trainer.rollouts.config import check_choices, check_positive, option
+from harness_trainer.training.config import LR_SCHEDULES, same_as
 
 
 @dataclass
@@ -32,12 +32,13 @@ class SFTRunConfig:
     num_train_epochs: float = option(3.0, "passes over the traces")
     learning_rate: float = option(1e-3, "peak learning rate")
     per_device_train_batch_size: int = option(8, "rows per optimizer step")
-    lr_scheduler_type: str = option("cosine", "learning-rate schedule (transformers' names)")
+    lr_scheduler_type: str = option("cosine", "learning-rate schedule, by transformers' names", choices=LR_SCHEDULES)
     only_rewarded: bool = option(False, "keep only rollouts whose reward was >= 1 (needs rollouts.jsonl next to "
                                         "the traces)")
     seed: int = option(0, "data order and initialisation seed")
     packing: str = option("rows", "rows (TRL's SFTTrainer, one row per chain) or tree (each batch as one prefix "
-                                  "tree: a system prompt the traces share runs once a batch, e.g. opencode's)")
+                                  "tree: a system prompt the traces share runs once a batch, e.g. opencode's)",
+                          choices=("rows", "tree"))
     use_peft: bool = option(False, "train a LoRA adapter (training/lora.py); final/ is then the merged model, "
                                    "adapter/ beside it")
     lora_rank: int = same_as("lora_rank")
@@ -48,8 +49,8 @@ class SFTRunConfig:
     def __post_init__(self):
         if isinstance(self.lora_target_modules, str):
             self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
-        if self.packing not in ("rows", "tree"):
-            raise SFTError(f"unknown --packing '{self.packing}': choose rows (TRL's SFTTrainer) or tree")
+        check_choices(self)
+        check_positive(self, ("per_device_train_batch_size", "lora_rank"))
 
 
 def trace_files(where: str | Path) -> list[Path]:

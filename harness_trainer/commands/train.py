@@ -36,7 +36,7 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
     `harness-train` flag (`--num-generations`) and a --config YAML key (`num_generations`)."""
     reward: str | None = option(None, "per-rollout reward: verifier (the default without --reward-funcs), "
                                       "verifier+tools, module:function or an entry-point name")
-    report_to: str = option("trackio", "trackio (local), wandb or none")
+    report_to: str = option("trackio", "trackio (local), wandb or none", choices=("trackio", "wandb", "none"))
     teacher_model: str | None = option(None, "on-policy distillation: the teacher's model folder or Hub id, served "
                                              "by an engine of its own (or attach one: --teacher-url)")
 
@@ -49,8 +49,6 @@ class TrainRunConfig(AsyncGRPOConfig, RolloutConfig):
         if self.teacher_model and self.teacher_url:
             raise ConfigError("give --teacher-model (an engine is started for it) or --teacher-url (one you run), "
                               "not both")
-        if self.report_to not in ("trackio", "wandb", "none"):
-            raise ConfigError(f"--report-to {self.report_to}: choose trackio, wandb or none")
 
 
 FIELDS = fields_of(TrainRunConfig, skip=("vllm_server_base_url",))  # the engine's URL is --vllm-url
@@ -204,14 +202,14 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
     """Everything that can fail offline fails here: the agent, tasks, model, sandboxes, rewards, the checkpoint
     to resume and the GPU layout; ConfigError (or the part's own error) names what to change."""
     from harness_trainer._exceptions import PlacementError
-    from harness_trainer.agents.harnesses import make_harness
-    from harness_trainer.agents.sandboxes import check_task_sandboxes
+    from harness_trainer.agents.registry import make_harness
     from harness_trainer.models.hub import model_or_default
     from harness_trainer.rollouts.rewards import resolve_rewards
     from harness_trainer.rollouts.services import run_placement
     from harness_trainer.rollouts.tasks import load_dataset
+    from harness_trainer.sandboxes.registry import check_task_sandboxes
     from harness_trainer.serving.placement import resolve_weight_sync
-    from harness_trainer.training.policy_sync import check_backend
+    from harness_trainer.training.policy_sync import preflight
 
     environment = white_box(cfg)
     if environment is None:
@@ -223,7 +221,8 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
 
         check_lora_targets(model.path, cfg.lora_target_modules)
     if environment is None:  # what is missing (credentials, daemon, URL), tasks refused, images built
-        tasks = check_task_sandboxes(cfg, tasks, Path(cfg.output_dir) / "builds")
+        tasks = check_task_sandboxes(cfg.sandbox, tasks, Path(cfg.output_dir) / "builds", public_url=cfg.public_url,
+                                     force_build=cfg.force_build, skip_invalid=cfg.skip_invalid_tasks)
         if not tasks:
             raise ConfigError(f"no task of {cfg.dataset} could be had (every environment failed; see above)")
     reward_fn, reward_funcs = resolve_rewards(cfg.reward, cfg.reward_funcs)
@@ -239,8 +238,8 @@ def prepare(cfg: TrainRunConfig) -> Prepared:
         placement = run_placement(cfg, cfg.trainer_gpus, training=True)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
-    backend = resolve_weight_sync(cfg.weight_sync_backend, cfg.use_peft, placement)
-    check_backend(backend, cfg)
+    backend = resolve_weight_sync(cfg.weight_sync_backend, cfg.use_peft, placement)  # once, passed on to all
+    preflight(backend, int(os.environ.get("WORLD_SIZE", "1")))
     teacher = None
     if cfg.teacher_model:  # its tokenizer checked against the student's before any engine starts
         from harness_trainer.serving.teacher import check_same_tokenizer

@@ -25,6 +25,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from harness_trainer.choices import choose
+
 BUILDER_VERSION = 1  # bump when the build changes in a way the parameters do not capture
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -56,8 +58,7 @@ class TinyModelSpec:
     seed: int = 0
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"unknown tiny architecture '{self.arch}': choose one of {', '.join(ARCHS)}")
+        choose("tiny architecture", self.arch, ARCHS)
 
     def key(self) -> str:
         template = hashlib.sha256(chat_template(self.arch).encode()).hexdigest()  # a template edit is a new model

@@ -19,16 +19,15 @@ import httpx
 
 from harness_trainer import fastjson
 from harness_trainer._exceptions import CaptureNotTrainable, ProcessError, ProxyError
+from harness_trainer.paths import venv_python
 from harness_trainer.serving.process import ManagedProcess, clear_folder, free_port, server_folder
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def proxy_python() -> str:
     """The interpreter that has mitmproxy: $HARNESS_PROXY_PYTHON, the project's .venv-proxy, or this one."""
     if env := os.environ.get("HARNESS_PROXY_PYTHON"):
         return env
-    local = REPO_ROOT / ".venv-proxy" / "bin" / "python"
+    local = venv_python("proxy")
     return str(local) if local.exists() else sys.executable
 
 

@@ -4,13 +4,16 @@ torch import): the CLI builds its flags from it before any work starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from harness_trainer._exceptions import ConfigError
+from harness_trainer.agents.registry import HARNESSES
+from harness_trainer.choices import choose, flag
 
 
 def option(default, help_text: str, **metadata):
-    """A config field whose help text is its flag's help (and its line in docs/cli.md)."""
+    """A config field whose help text is its flag's help (and its line in docs/cli.md). `choices=`: its values,
+    when they are a fixed set (check_choices refuses the others; the help names them all)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help_text, **metadata})
     return field(default=default, metadata={"help": help_text, **metadata})
@@ -18,8 +21,8 @@ def option(default, help_text: str, **metadata):
 
 @dataclass
 class RolloutConfig:
-    harness: str = option("mini-swe-agent",
-                          "mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code or command")
+    harness: str = option("mini-swe-agent", "the agent program run against the capture proxy",
+                          choices=tuple(HARNESSES))
     dataset: str = option("builtin:toy-train", "folder of Harbor tasks, builtin:NAME or hf:OWNER/NAME; with "
                                                "--environment, a .jsonl (or .json) of rows with a 'prompt' column")
     environment: str | None = option(None, "white-box instead of an agent: module:Class, TRL's "
@@ -81,12 +84,29 @@ class RolloutConfig:
     def check(self) -> None:
         """Every rule of these settings, once: the CLI and the Python API refuse the same values in the same
         words (a ConfigError naming the flag)."""
+        check_choices(self)
         check_white_box(bool(self.environment), self.scores_episodes())
         if self.engines < 1:
             raise ConfigError(f"--engines {self.engines}: give 1 or more")
         if self.engines > 1 and self.vllm_url:
             raise ConfigError("--engines launches engines and --vllm-url attaches to running ones: give one of them "
                               "(repeat --vllm-url for several running engines)")
+
+
+def check_choices(config) -> None:
+    """Every field of `config` declared with `choices=` holds one of them (None: a default decided later)."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if "choices" in f.metadata and value is not None:
+            choose(flag(f.name), value, f.metadata["choices"])
+
+
+def check_positive(config, names: tuple[str, ...]) -> None:
+    """Each of `names` is a positive integer."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{flag(name)} must be a positive integer, got {value!r}")
 
 
 def check_white_box(environment: bool, scored: bool, what: str = "--environment",

@@ -47,7 +47,7 @@ from harness_trainer._exceptions import EnvironmentContractError, ModelCallError
 from harness_trainer.agents.base import AgentReport
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
-from harness_trainer.rollouts.session import CapturedSession, sampling_policy
+from harness_trainer.rollouts.captured import CapturedSession, sampling_policy
 
 SCORED_WITH_GROUP = "scored by the reward functions with its group"
 
@@ -325,3 +325,6 @@ class EnvironmentSessionFactory:
         session = EnvironmentSession(self, task, episode_id or f"{task.name}-{uuid.uuid4().hex[:8]}")
         session.start()
         return session
+
+    def close(self) -> None:
+        self.http.close()

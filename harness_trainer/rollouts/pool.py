@@ -22,7 +22,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from harness_trainer._exceptions import CaptureContractError
-from harness_trainer.agents.spares import SPARES
 from harness_trainer.openfiles import raise_open_files_limit
 from harness_trainer.rollouts.records import write_record
 from harness_trainer.rollouts.session import RolloutRecord, cancelled_record, run_rollout
@@ -178,4 +177,3 @@ class RolloutPool:
         self.executor.shutdown(wait=True, cancel_futures=True)
         self._write([f.result() for f in finished if not f.cancelled() and f.exception() is None])
         self.pending.clear()
-        SPARES.close()  # the run's containers started ahead: no trial will take them now

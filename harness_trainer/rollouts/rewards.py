@@ -24,6 +24,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from harness_trainer._exceptions import RewardError
+from harness_trainer.choices import refused
 from harness_trainer.rollouts.session import HarnessRolloutOutcome
 
 log = logging.getLogger("harness_trainer")
@@ -60,8 +61,8 @@ def resolve_reward_fn(spec: str | RewardFn | None) -> RewardFn:
     found = [ep for ep in entry_points(group="harness_trainer.rewards") if ep.name == spec]
     if found:
         return found[0].load()
-    raise RewardError(f"unknown reward '{spec}': use one of {', '.join(BUILTIN)}, module:function, or an entry "
-                      "point in the harness_trainer.rewards group")
+    raise RewardError(refused("--reward", spec, (*BUILTIN, "module:function",
+                                                 "an entry point in the harness_trainer.rewards group")))
 
 
 def score(fn: RewardFn, outcome: HarnessRolloutOutcome) -> float | None:

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from harness_trainer.agents.harnesses import FILE_EDITS, KEYSTROKES, READ_BEFORE_EDIT
+from harness_trainer.agents.registry import FILE_EDITS, KEYSTROKES, READ_BEFORE_EDIT
 from harness_trainer.models.hub import ModelRef
 from harness_trainer.proxy.client import ProxyClient, ProxyServer
 from harness_trainer.rollouts.config import RolloutConfig
 from harness_trainer.rollouts.environments import EnvironmentSessionFactory
 from harness_trainer.rollouts.session import LocalSessionFactory
+from harness_trainer.sandboxes.registry import SandboxProvider
 from harness_trainer.serving.engine import EngineConfig, VLLMServer
 from harness_trainer.serving.placement import Placement, plan_placement, resolve_weight_sync, visible_gpus
 from harness_trainer.serving.supervise import Supervisor
@@ -53,14 +54,15 @@ def environment_session_factory(proxy: ProxyClient, environment, *, max_tool_cal
 
 
 def session_factory(cfg, proxy: ProxyClient, environment=None, output_dir: Path | None = None,
-                    upload_solution: bool = False) -> Callable:
+                    upload_solution: bool = False, sandboxes: SandboxProvider | None = None) -> Callable:
     """The factory the trainer (or eval) calls with its sampling policy: `cfg` is the run's RolloutConfig (the
-    train and eval configs add max_tool_calling_iterations and max_completion_length for a white-box class)."""
+    train and eval configs add max_tool_calling_iterations and max_completion_length for a white-box class).
+    `sandboxes`: the run's provider (its caller closes it), else the factory makes one from cfg.sandbox."""
     if environment is not None:
         return environment_session_factory(proxy, environment, agent_timeout_s=cfg.agent_timeout,
                                            max_tool_calling_iterations=cfg.max_tool_calling_iterations,
                                            max_completion_length=cfg.max_completion_length)
-    return partial(LocalSessionFactory, proxy=proxy, harness=cfg.harness, sandbox=cfg.sandbox,
+    return partial(LocalSessionFactory, proxy=proxy, harness=cfg.harness, sandbox=sandboxes or cfg.sandbox,
                    output_dir=output_dir or Path("runs/rollouts"), step_limit=cfg.agent_step_limit,
                    agent_timeout_s=cfg.agent_timeout, reward_key=cfg.reward_key, agent_command=cfg.agent_command,
                    agent_config=cfg.agent_config, public_url=cfg.public_url, upload_solution=upload_solution)
@@ -110,21 +112,26 @@ def run_services(cfg: RolloutConfig, out: Path, *, model: ModelRef | None, envir
             for i, launched in enumerate(engines):
                 watched[f"vLLM {i}" if i else "vLLM"] = (launched.managed, launched.cfg.startup_timeout_s)
             supervisor = stack.enter_context(Supervisor(watched))
+        sandboxes = None if environment is not None else stack.enter_context(SandboxProvider(
+            cfg.sandbox, public_url=cfg.public_url, log_dir=(rollouts_dir or Path("runs/rollouts")) / "builds"))
         yield Services(engine, proxy, session_factory(cfg, proxy.client, environment, rollouts_dir,
-                                                      upload_solution=oracle_tasks is not None), supervisor)
+                                                      upload_solution=oracle_tasks is not None,
+                                                      sandboxes=sandboxes), supervisor)
 
 
-def environment_sessions(environment_factory, args) -> tuple[Callable, ProxyServer]:
+def environment_sessions(environment_factory, vllm_url: str | None, output_dir: str | Path, *,
+                         max_completion_length: int, max_tool_calling_iterations: int | None
+                         ) -> tuple[Callable, ProxyServer]:
     """For a trainer given only environment_factory (TRL's call shape): a capture proxy of its own in front of
-    args.vllm_server_base_url (started and stopped by the trainer) and the session factory over it."""
+    the engine at `vllm_url` (started and stopped by the trainer) and the session factory over it."""
     from harness_trainer._exceptions import EnvironmentContractError
 
-    if not args.vllm_server_base_url:
+    if not vllm_url:
         raise EnvironmentContractError("an environment_factory run samples from vLLM through the capture proxy: set "
                                        "vllm_server_base_url (start one with `harness-train serve --model DIR`)")
-    out = Path(args.output_dir)
-    engine = VLLMServer.attach(args.vllm_server_base_url)
+    out = Path(output_dir)
+    engine = VLLMServer.attach(vllm_url)
     proxy = ProxyServer(engine.url, model=engine.model_name, journal=out / "journal", log_path=out / "proxy.log")
     return environment_session_factory(proxy.client, environment_factory,
-                                       max_completion_length=args.max_completion_length,
-                                       max_tool_calling_iterations=args.max_tool_calling_iterations), proxy
+                                       max_completion_length=max_completion_length,
+                                       max_tool_calling_iterations=max_tool_calling_iterations), proxy

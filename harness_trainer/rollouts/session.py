@@ -19,11 +19,10 @@ A capture that breaks the trace contract is no status: run_rollout raises Captur
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -31,17 +30,18 @@ from openenv.core.harness.rollout import VerifyResult
 from openenv.core.harness.training import TrainingTrace
 
 from harness_trainer._exceptions import CaptureNotTrainable, ProxyError, SandboxError
-from harness_trainer.agents.base import exit_reason
-from harness_trainer.agents.harnesses import AgentReport, AgentRun, Harness, make_harness
-from harness_trainer.agents.sandbox import ExecResult, Sandbox
-from harness_trainer.agents.sandboxes import kind_for, make_sandbox, proxy_address
+from harness_trainer.agents.base import AgentReport, AgentRun, Harness, exit_reason
+from harness_trainer.agents.registry import make_harness
 from harness_trainer.proxy.capture import SamplingPolicy
 from harness_trainer.proxy.client import ProxyClient
 from harness_trainer.proxy.engines import ENGINE_FAILED, ENGINE_LOST
-from harness_trainer.rollouts.multi_step import run_steps, steps_timeout, steps_verified
+from harness_trainer.rollouts.captured import CapturedSession, sampling_policy
+from harness_trainer.rollouts.multi_step import run_steps, steps_verified
 from harness_trainer.rollouts.tasks import Task
-from harness_trainer.rollouts.trace_reader import collect_trace, validated_trace
+from harness_trainer.rollouts.trace_reader import collect_trace
 from harness_trainer.rollouts.verifier import VerifierResult, verify
+from harness_trainer.sandboxes.base import ExecResult, Sandbox
+from harness_trainer.sandboxes.registry import SandboxProvider, proxy_address
 
 
 @dataclass
@@ -120,11 +120,7 @@ class SessionFactory(Protocol):
     sampling: SamplingPolicy
 
     def create(self, task, seed: int | None = None, episode_id: str | None = None) -> RolloutSession: ...
-
-
-def sampling_policy(sampling: SamplingPolicy | dict | None) -> SamplingPolicy:
-    """A factory's sampling policy: the object, or OpenEnv's dict of it (training, temperature, max_tokens_cap)."""
-    return sampling if isinstance(sampling, SamplingPolicy) else SamplingPolicy.from_dict(sampling)
+    def close(self) -> None: ...  # what its sessions shared; called by whoever called the factory's maker
 
 
 def _truncation(session: RolloutSession, stops: list[str], wire: dict | None) -> str:
@@ -138,77 +134,6 @@ def _truncation(session: RolloutSession, stops: list[str], wire: dict | None) ->
     last = wire["turns"][-1] if wire and wire["turns"] else None
     choices = ((last.get("response") or {}).get("choices") or [{}]) if last is not None else [{}]
     return "its last answer hit the token cap" if choices[0].get("finish_reason") == "length" else ""
-
-
-class CapturedSession:
-    """What every session does with its capture session on the proxy (needs factory.proxy, factory.sampling,
-    factory.max_model_calls, factory.agent_timeout_s, task, episode_id, capture, error): open it, read back the
-    trace, the clean stops and the rollout graph, delete it."""
-    end_reason = ""  # a white-box episode sets why its limits ended it
-    environment = None  # a white-box episode's instance
-
-    @property
-    def timeout_s(self) -> float:
-        if steps := getattr(self.task, "steps", ()):  # every step's agent and verifier (a white-box task has none)
-            return steps_timeout(steps, self.factory.agent_timeout_s)
-        return min(self.task.agent_timeout_s, self.factory.agent_timeout_s or self.task.agent_timeout_s)
-
-    def open_capture(self) -> bool:
-        """The rollout's own capture session (its key is the agent's API key); False, with error set, if none."""
-        f = self.factory
-        try:
-            self.capture = f.proxy.create_session(
-                policy=asdict(f.sampling), max_model_calls=f.max_model_calls,
-                metadata={"task": self.task.name, "episode_id": self.episode_id})
-        except Exception as exc:  # transport
-            self.error = f"could not create a capture session: {exc}"
-        return self.capture is not None
-
-    def fetch_training_trace(self) -> TrainingTrace:
-        """The captured turns. Raises CaptureNotTrainable when nothing trainable was captured and
-        CaptureContractError when what was captured breaks the contract."""
-        return validated_trace(self.trace_json(), f"rollout {self.episode_id} ({self.task.name})")
-
-    def trace_json(self) -> bytes:
-        """The captured turns as the proxy sent them (its compact form: traces/compact.py), not yet validated
-        (`validated_trace`)."""
-        if self.capture is None:
-            raise ProxyError(self.error or "no capture session")
-        return self.factory.proxy.trace_json(self.capture["id"], compact=True)
-
-    def proxy_stops(self) -> list[str]:
-        """Clean stops the proxy answered (call budget, context overflow), and the last call's failure at the engine."""
-        try:  # a reason is only information; never fail a rollout over it
-            summary = self.factory.proxy.session(self.capture["id"]) if self.capture else {}
-        except Exception:
-            return []
-        failure = summary.get("engine_failure")
-        return list(summary.get("stops") or []) + ([f"{ENGINE_FAILED}: {failure}"] if failure else [])
-
-    def first_version(self) -> int | None:
-        """Its first model call's policy version (its oldest turn); None before any or if the proxy cannot say."""
-        with contextlib.suppress(Exception):  # not judged stale then: it goes on
-            return self.factory.proxy.session(self.capture["id"]).get("first_version") if self.capture else None
-        return None
-
-    def rollout_calls(self) -> list[dict]:
-        """Every call the proxy captured for this rollout (agent turns, retries it discarded, auxiliary calls),
-        without their token ids: the rollout graph the run viewer draws."""
-        keep = ("node_id", "index", "role", "parent", "n_tools", "finish_reason", "policy_version", "model",
-                "problem", "dialect", "stream", "prompt_tokens", "completion_tokens")
-        try:
-            calls = self.factory.proxy.graph(self.capture["id"])["calls"] if self.capture else []
-        except Exception:  # information only; never fail a rollout over it
-            return []
-        return [{**{k: c.get(k) for k in keep},
-                 "seconds": round(max(0.0, (c.get("finished") or 0) - (c.get("started") or 0)), 3)} for c in calls]
-
-    def delete_capture(self) -> None:
-        if self.capture is not None:
-            try:
-                self.factory.proxy.delete(self.capture["id"])
-            except Exception:
-                pass
 
 
 class LocalSession(CapturedSession):
@@ -297,8 +222,8 @@ class LocalSessionFactory:
     its sampling policy (a SamplingPolicy, or OpenEnv's dict of it): pass `partial(LocalSessionFactory, proxy=...)`."""
 
     def __init__(self, sampling: SamplingPolicy | dict | None = None, *, proxy: ProxyClient,
-                 harness: str | Harness = "mini-swe-agent",
-                 sandbox: str = "local", output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
+                 harness: str | Harness = "mini-swe-agent", sandbox: str | SandboxProvider = "local",
+                 output_dir: str | Path = "runs/rollouts", step_limit: int = 12,
                  agent_timeout_s: float | None = None, max_model_calls: int | None = None,
                  reward_key: str = "reward", public_url: str | None = None, agent_command: str | None = None,
                  agent_config: str | None = None, upload_solution: bool = False):
@@ -306,31 +231,38 @@ class LocalSessionFactory:
         self.proxy = proxy
         self.harness = make_harness(harness, agent_command, agent_config) if isinstance(harness, str) else harness
         self.harness.check_installed()
-        self.sandbox_kind, self.public_url = sandbox, public_url
         self.output_dir = Path(output_dir)
+        # a provider passed in is its maker's to close; one made here from a kind's name is this factory's
+        self.own_sandboxes = isinstance(sandbox, str)
+        self.sandboxes = SandboxProvider(sandbox, public_url=public_url, log_dir=self.output_dir / "builds") \
+            if self.own_sandboxes else sandbox
         self.step_limit, self.agent_timeout_s = step_limit, agent_timeout_s
         self.max_model_calls = max_model_calls if max_model_calls is not None else step_limit * 2 + 4
         self.reward_key = reward_key
         self.upload_solution = upload_solution  # the oracle policy: each task's solution/ at /solution
 
     def make_sandbox(self, trial_dir: Path, task: Task) -> Sandbox:
-        return make_sandbox(self.sandbox_kind, trial_dir, task=task.name, spec=task.environment,
-                            proxy_url=self.proxy.url, public_url=self.public_url, task_dir=task.path,
-                            log_dir=self.output_dir / "builds")
+        return self.sandboxes.make(trial_dir, task=task.name, spec=task.environment, proxy_url=self.proxy.url,
+                                   task_dir=task.path)
 
     def agent_base_url(self, capture: dict, task: Task) -> str:
         """A remote sandbox's agent reaches the proxy at --public-url; a jail's or a container's at the proxy's
         own loopback address, which its forwarder serves inside the trial."""
-        if kind_for(self.sandbox_kind, task.environment) in ("local", "docker"):
+        if self.sandboxes.kind_for(task.environment) in ("local", "docker"):
             return f"http://127.0.0.1:{proxy_address(self.proxy.url)[1]}/v1"
-        if self.public_url:
-            return self.public_url.rstrip("/") + "/v1"
+        if self.sandboxes.public_url:
+            return self.sandboxes.public_url.rstrip("/") + "/v1"
         return capture["base_url"]
 
     def create(self, task: Task, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
         session = LocalSession(self, task, episode_id or f"{task.name}-{uuid.uuid4().hex[:8]}")
         session.start()
         return session
+
+    def close(self) -> None:
+        """The sandboxes' shared parts (containers started ahead), where this factory made its provider."""
+        if self.own_sandboxes:
+            self.sandboxes.close()
 
 
 def cancelled_record(task: str, episode_id: str, **fields) -> RolloutRecord:

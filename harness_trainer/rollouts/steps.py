@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness_trainer.agents.images import warn_once
+from harness_trainer.choices import one_of
 from harness_trainer.rollouts.task_fields import resolve_env, seconds
+from harness_trainer.sandboxes.images import warn_once
 
 STRATEGIES = ("mean", "final")
 
@@ -73,8 +74,7 @@ def read_steps(path: Path, config: dict, where: str, problems: list[str]) -> tup
     """The task's [[steps]] and its reward strategy, each problem added to `problems`."""
     strategy = config.get("multi_step_reward_strategy") or "mean"
     if strategy not in STRATEGIES:
-        problems.append(f"{where}: multi_step_reward_strategy must be one of {', '.join(STRATEGIES)}, not "
-                        f"{strategy!r}")
+        problems.append(f"{where}: multi_step_reward_strategy {strategy!r}: choose {one_of(STRATEGIES)}")
     # a step's agent timeout falls back to the task's [agent]; its verifier's is its own (Harbor's default 600 s)
     default_agent = seconds(config.get("agent") or {}, "timeout_sec", where, 600.0, problems)
     steps, names = [], set()

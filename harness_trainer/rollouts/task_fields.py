@@ -1,6 +1,6 @@
 """task.toml's values, read and checked as Harbor means them: seconds, sizes, `env` tables with their ${VAR}
 templates resolved from this host (tasks.py and steps.py read the tables with these; warnings said once per
-process are agents/images.py's warn_once)."""
+process are sandboxes/images.py's warn_once)."""
 
 from __future__ import annotations
 

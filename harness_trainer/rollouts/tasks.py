@@ -5,7 +5,7 @@ A task is a folder:
     task.toml          [task] name/description, [agent] timeout_sec, [verifier] timeout_sec/env, [solution] env,
                        [environment] (below), [metadata] ... (all optional)
     instruction.md     what the agent is told
-    environment/       Dockerfile: the task's image, built by the container sandbox (agents/containers.py).
+    environment/       Dockerfile: the task's image, built by the container sandbox (sandboxes/containers.py).
                        Without a Dockerfile (or [environment] docker_image) the task needs no build: the files
                        in environment/app/ (or, without it, in environment/) are copied into the sandbox's /app
     tests/test.sh      the verifier: writes /logs/verifier/reward.txt (one number) or reward.json
@@ -25,11 +25,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness_trainer._exceptions import TaskError
-from harness_trainer.agents.compose import services as compose_services
-from harness_trainer.agents.images import ContainerSpec, warn_once
+from harness_trainer.choices import choose
 from harness_trainer.rollouts.builtin import SETS, builtin_dataset
 from harness_trainer.rollouts.steps import Step, read_steps
 from harness_trainer.rollouts.task_fields import resolve_env, seconds, size_mb
+from harness_trainer.sandboxes.compose import services as compose_services
+from harness_trainer.sandboxes.images import ContainerSpec, warn_once
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _phase_networks(config: dict, environment: ContainerSpec, toml_path: Path, p
 
 
 def _user(table: dict, where: str, problems: list[str]) -> str | None:
-    """[agent] / [verifier] user: a name or a UID, as Harbor takes it (applied in containers: agents/containers.py)."""
+    """[agent] / [verifier] user: a name or a UID, as Harbor takes it (containers apply it)."""
     user = table.get("user")
     if user is None:
         return None
@@ -281,8 +282,7 @@ def load_dataset(spec: str, skip_invalid: bool = False) -> list[Task]:
     """Resolve a dataset spec to its tasks; see the module docstring for the forms."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
-        if name not in SETS:
-            raise TaskError(f"no builtin dataset '{name}': choose one of {_builtin_names()}")
+        choose("builtin dataset", name, SETS, TaskError)
         return _tasks_in(builtin_dataset(name), skip_invalid)
     if spec.startswith("hf:"):
         repo = spec.removeprefix("hf:")

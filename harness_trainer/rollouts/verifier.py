@@ -27,9 +27,9 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents.sandbox import Sandbox
 from harness_trainer.rollouts.steps import Step
 from harness_trainer.rollouts.tasks import Task
+from harness_trainer.sandboxes.base import Sandbox
 
 TEST_STDOUT = "/logs/verifier/test-stdout.txt"
 # where the oracle's solve.sh leaves its output and exit status (oracle.py), read before the tests run: a

@@ -22,10 +22,9 @@ from harness_trainer._exceptions import EngineError
 from harness_trainer.models.formats import ModelFormats, detect_formats, ties_embeddings
 from harness_trainer.models.hub import check_model_dir, served_name
 from harness_trainer.models.untie import untied_copy
+from harness_trainer.paths import venv_python
 from harness_trainer.serving.process import ManagedProcess, clear_folder, free_port, server_folder
 from harness_trainer.serving.sync_steps import IPC, NCCL
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def gpu_available() -> bool:
@@ -45,7 +44,7 @@ def engine_python() -> str:
     """The interpreter that has vllm: $HARNESS_ENGINE_PYTHON, the project's .venv-engine, or this one."""
     if env := os.environ.get("HARNESS_ENGINE_PYTHON"):
         return env
-    local = REPO_ROOT / ".venv-engine" / "bin" / "python"
+    local = venv_python("engine")
     return str(local) if local.exists() else sys.executable
 
 

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 import httpx
 
 from harness_trainer._exceptions import WeightSyncError
+from harness_trainer.choices import choose
 from harness_trainer.serving.process import HEALTH_EVERY_S, engine_answers, free_port
 from harness_trainer.serving.sync_steps import GPU_BACKENDS, NCCL, post_step
 
@@ -54,8 +55,7 @@ class TransferSync:
     """One engine's nccl / ipc weight sync (the WeightSync protocol of weight_sync.py)."""
 
     def __init__(self, backend: str, url: str, timeout_s: float = 120.0):
-        if backend not in GPU_BACKENDS:
-            raise ValueError(f"unknown transfer backend '{backend}': choose nccl or ipc")
+        choose("weight_sync_backend", backend, GPU_BACKENDS)
         if (missing := transfer_available()) is not None:
             raise WeightSyncError(f"weight sync backend '{backend}' cannot run: {missing}")
         self.backend, self.base, self.timeout_s = backend, url.rstrip("/"), timeout_s

@@ -32,6 +32,7 @@ from typing import Protocol
 import httpx
 
 from harness_trainer._exceptions import ConfigError, EngineUnreachable, WeightSyncError
+from harness_trainer.choices import choose
 from harness_trainer.models.untie import HEAD_FILE
 from harness_trainer.serving.sync_steps import (
     BACKENDS,
@@ -61,9 +62,7 @@ class WeightSync(Protocol):
 
 def make_weight_sync(backend: str, url: str, timeout_s: float = 120.0) -> WeightSync:
     """The backend of that name for the engine at `url` (the registry: WEIGHT_SYNCS, after the classes)."""
-    if backend not in WEIGHT_SYNCS:
-        raise ConfigError(f"unknown weight_sync_backend '{backend}': choose {', '.join(BACKENDS[:-1])} or "
-                          f"{BACKENDS[-1]}")
+    choose("weight_sync_backend", backend, WEIGHT_SYNCS)
     return WEIGHT_SYNCS[backend](url, timeout_s)
 
 

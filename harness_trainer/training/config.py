@@ -12,8 +12,9 @@ import sys
 from dataclasses import dataclass
 
 from harness_trainer._exceptions import ConfigError
-from harness_trainer.rollouts.config import option
-from harness_trainer.serving.sync_steps import VLLM_LORA_RANKS, lora_rank_served
+from harness_trainer.choices import choose
+from harness_trainer.rollouts.config import check_choices, check_positive, option
+from harness_trainer.serving.sync_steps import BACKENDS, VLLM_LORA_RANKS, lora_rank_served
 
 # transformers.SchedulerType's values, written out: importing it imports torch and peft (5-10 s), and a job
 # launcher checks a run's flags before it submits (tests/commands/test_train_command.py keeps the two lists equal)
@@ -26,8 +27,6 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 SCALE_REWARDS = ("none", "group", "batch")
 IS_MODE_OF = {"tis": "token_truncate", "mis": "token_mask"}  # the deprecated is_mode's values
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CHOICES = {"loss_type": LOSS_TYPES, "vllm_importance_sampling_mode": IS_MODES, "scale_rewards": SCALE_REWARDS,
-           "importance_sampling_level": ("token", "sequence")}  # the loss's settings with a fixed set of values
 POSITIVE = ("num_generations", "max_concurrent_rollouts", "max_steps", "weight_sync_steps", "save_steps",
             "groups_per_step", "lora_rank", "max_completion_length", "dynamic_sampling_max_tries")
 
@@ -58,15 +57,15 @@ class AsyncGRPOConfig:
     learning_rate: float = option(1e-5, "AdamW learning rate")
     max_grad_norm: float = option(1.0, "gradient norm clip")
     warmup_ratio: float = option(0.0, "share of --max-steps over which the learning rate rises from 0")
-    lr_scheduler_type: str = option("constant", "learning-rate schedule: constant, constant_with_warmup, linear, "
-                                                "cosine, ... (transformers' names)")
+    lr_scheduler_type: str = option("constant", "learning-rate schedule, by transformers' names",
+                                    choices=LR_SCHEDULES)
     seed: int = option(0, "seed for the trainer's RNGs")
     # the loss (training/grpo.py), under TRL GRPOConfig's names and meanings; a "sequence" is one rollout (every
     # trained token of all its turns), as TRL's multi-turn completion is one sequence with its tool outputs masked
     loss_type: str = option("dapo", "grpo (mean of each sequence's token mean), dr_grpo (sum / (sequences x "
                                     "max_completion_length)), dapo and bnpo (token mean over the step), cispo "
                                     "(clipped IS weight x logprob), sapo (soft gate), luspo (sequence-level, "
-                                    "length-scaled)")
+                                    "length-scaled)", choices=LOSS_TYPES)
     epsilon: float = option(0.2, "PPO clip range below 1")
     epsilon_high: float | None = option(None, "clip range above 1 (default: epsilon; DAPO uses 0.28; with cispo "
                                               "the IS weight's cap, e.g. 5.0)")
@@ -75,21 +74,24 @@ class AsyncGRPOConfig:
     beta: float = option(0.0, "weight of a k3 KL term to the starting policy (0: none, no reference copy)")
     use_bias_correction_kl: bool = option(True, "multiply the KL term by the importance ratio (DeepSeek-V3.2)")
     importance_sampling_level: str = option("token", "token (a ratio per token) or sequence (GSPO: exp of the "
-                                                     "mean log ratio over the rollout's trained tokens)")
+                                                     "mean log ratio over the rollout's trained tokens)",
+                                                     choices=("token", "sequence"))
     # TRL's defaults (sequence_mask at 3.0, scale_rewards group), chosen over ours of before (token_truncate at
     # 2.0, none) by the demo's GRPO stage over 5 seeds: 28.0 held-out wins of 32 on average against 22.2, the
     # worst seed 24 against 11 (docs/results.md). A config that names a setting keeps it.
     vllm_importance_sampling_correction: bool = option(True, "weight each token by the policy at the step's start "
                                                              "over the one that sampled it")
     vllm_importance_sampling_mode: str = option("sequence_mask", "token_truncate, token_mask, sequence_truncate "
-                                                                  "or sequence_mask (a sequence: the rollout)")
+                                                                  "or sequence_mask (a sequence: the rollout)",
+                                                                  choices=IS_MODES)
     vllm_importance_sampling_clip_min: float | None = option(None, "lower bound of the IS weight (default none)")
     vllm_importance_sampling_clip_max: float | None = option(3.0, "upper bound of the IS weight (none: unbounded)")
     off_policy_mask_threshold: float | None = option(None, "drop a rollout with a negative advantage whose mean "
                                                            "KL(sampler || policy) is past this (DeepSeek-V3.2; "
                                                            "e.g. 0.5)")
     scale_rewards: str = option("group", "group (r - mean, divided by the group's std: TRL's), none (r - mean: "
-                                         "Dr. GRPO's, no difficulty bias) or batch (by the step's std)")
+                                         "Dr. GRPO's, no difficulty bias) or batch (by the step's std)",
+                                         choices=SCALE_REWARDS)
     mask_truncated_completions: bool = option(False, "leave out of the loss a rollout its step, token or time "
                                                      "limit stopped (it still counts in its group's mean)")
     top_entropy_quantile: float = option(1.0, "train only the step's top quantile of tokens by entropy (0.2 in "
@@ -115,7 +117,8 @@ class AsyncGRPOConfig:
     step_clip: float | None = option(0.2, "trust region: a step that moves a trained token's probability by more "
                                           "than this is shortened until it does not, or not taken (none: off)")
     step_clip_mode: str = option("probability", "what step_clip bounds: probability (|p_after - p_before|) or "
-                                                "ratio (p_after / p_before within 1 +- step_clip, PPO's range)")
+                                                "ratio (p_after / p_before within 1 +- step_clip, PPO's range)",
+                                                choices=("probability", "ratio"))
     # off by default: on a sharp policy the per-token bound always bound first (both proofs), and from a flat one
     # (the random model: KL 0.2-0.3 a step while no token's probability moved 0.04) 0.01 cut every step to 1-10%
     # and nothing was learnt in 30 steps
@@ -126,7 +129,7 @@ class AsyncGRPOConfig:
                                                           "bounds a step's memory (none: the whole tree at once)")
     dtype: str = option("auto", "weights' dtype in the trainer: auto (float32 weights; with --distributed fsdp on "
                                 "GPU, bfloat16 compute over them), float32, bfloat16 or float16 (logprobs are "
-                                "float32 either way)")
+                                "float32 either way)", choices=DTYPES)
     gradient_checkpointing: bool | None = option(None, "recompute each layer in the backward: less memory, more "
                                                        "time (default: on with --distributed fsdp on GPU)")
     # devices (serving/placement.py, training/sharding.py)
@@ -134,7 +137,7 @@ class AsyncGRPOConfig:
                                             "the engine does not; with one GPU, shared with the engine)")
     distributed: str = option("ddp", "with several trainer ranks: ddp (every rank holds the whole model) or fsdp "
                                      "(FSDP2: weights, gradients and optimizer state sharded; bf16 mixed precision "
-                                     "on GPU)")
+                                     "on GPU)", choices=("ddp", "fsdp"))
     # LoRA (training/lora.py)
     use_peft: bool = option(False, "train a LoRA adapter, synced into vLLM by name (policy-vN), not every weight")
     lora_rank: int = option(16, "LoRA rank r")
@@ -146,7 +149,7 @@ class AsyncGRPOConfig:
     weight_sync_steps: int = option(1, "steps between weight syncs into vLLM")
     weight_sync_backend: str | None = option(None, "reload (any vLLM, CPU included), lora, nccl (GPU to "
                                                    "GPU) or ipc (one GPU shared); default: lora with --use-peft, "
-                                                   "else the placement's (serving/placement.py)")
+                                                   "else the placement's (serving/placement.py)", choices=BACKENDS)
     weight_sync_timeout_s: float = option(120.0, "seconds each weight-sync request may take")
     probe_tolerance: float | None = option(None, "largest logprob gap vLLM vs trainer after a sync (default: 1e-3 "
                                                  "in float32, 5e-2 in 16-bit)")
@@ -186,16 +189,14 @@ class AsyncGRPOConfig:
                 continue
             hint = f"use {new}"
             if f.name == "loss_mode":
-                if value not in ("decoupled", "ppo"):
-                    raise ConfigError(f"--loss-mode {value}: choose decoupled or ppo (deprecated: see --loss-type)")
+                choose("--loss-mode", value, ("decoupled", "ppo"), hint=" (deprecated: see --loss-type)")
                 hint = ("decoupled is the default (the IS weight to the sampler, vllm_importance_sampling_correction)"
                         if value == "decoupled" else "ppo (the ratio to the sampler itself) has the same gradient as "
                         "the default with --vllm-importance-sampling-clip-max none")
                 self.loss_mode = None if value == "decoupled" else value
             elif f.name == "is_mode":
-                if value not in ("tis", "mis", "none"):
-                    raise ConfigError(f"--is-mode {value}: choose tis, mis or none (deprecated: see "
-                                      "--vllm-importance-sampling-mode)")
+                choose("--is-mode", value, ("tis", "mis", "none"), hint=" (deprecated: see "
+                       "--vllm-importance-sampling-mode)")
                 self.vllm_importance_sampling_correction = value != "none"
                 self.vllm_importance_sampling_mode = IS_MODE_OF.get(value, self.vllm_importance_sampling_mode)
                 if value in IS_MODE_OF:  # with the bound it meant then (is_bound, later, overrides it)
@@ -218,25 +219,14 @@ class AsyncGRPOConfig:
 
     def _check_values(self) -> None:
         """Each setting on its own."""
-        for name in POSITIVE:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        for name, allowed in CHOICES.items():
-            choose(name, getattr(self, name), allowed)
-        if self.distributed not in ("ddp", "fsdp"):
-            raise ConfigError(f"--distributed {self.distributed}: choose ddp or fsdp")
-        if self.step_clip_mode not in ("probability", "ratio"):
-            raise ConfigError(f"unknown step_clip_mode '{self.step_clip_mode}': choose probability or ratio")
+        check_positive(self, POSITIVE)
+        check_choices(self)
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio!r}")
-        if self.lr_scheduler_type not in LR_SCHEDULES:
-            raise ConfigError(f"--lr-scheduler-type {self.lr_scheduler_type}: choose one of {', '.join(LR_SCHEDULES)}")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
         if not 0 <= self.distillation_weight <= 1:
             raise ConfigError(f"--distillation-weight must be in [0, 1], got {self.distillation_weight!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype}: choose {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ConfigError(f"--max-tokens-per-microbatch must be a positive integer or none, "
                               f"got {self.max_tokens_per_microbatch!r}")
@@ -252,6 +242,13 @@ class AsyncGRPOConfig:
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ConfigError("--loss-type luspo scales sequence-level ratios: add --importance-sampling-level "
                               "sequence")
+        if self.use_peft and self.distributed == "fsdp":
+            raise ConfigError("--use-peft with --distributed fsdp is not supported: an adapter is small, train it "
+                              "with --distributed ddp")
+        if self.weight_sync_backend is not None and (self.weight_sync_backend == "lora") != self.use_peft:
+            raise ConfigError(f"--weight-sync-backend {self.weight_sync_backend} with --use-peft "
+                              f"{str(self.use_peft).lower()}: --weight-sync-backend lora and --use-peft go together "
+                              "(an adapter is synced by name, full weights by reload, nccl or ipc)")
         if self.use_peft and not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.use_peft and lora_rank_served(self.lora_rank) is None:
@@ -259,13 +256,15 @@ class AsyncGRPOConfig:
                               f"({VLLM_LORA_RANKS[-1]}): choose {VLLM_LORA_RANKS[-1]} or less")
 
 
-def choose(name: str, value, allowed) -> None:
-    """A setting with a fixed set of values (the config's check, and the loss's own settings: grpo.LossConfig)."""
-    if value not in allowed:
-        raise ConfigError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(allowed)}")
-
-
 def same_as(name: str, default=dataclasses.MISSING):
     """For another command's config: the trainer's setting of that name, its help, and its default unless given."""
     trainer = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}[name]
-    return option(trainer.default if default is dataclasses.MISSING else default, trainer.metadata["help"])
+    return option(trainer.default if default is dataclasses.MISSING else default, trainer.metadata["help"],
+                  **{k: v for k, v in trainer.metadata.items() if k == "choices"})
+
+
+def choices_of(names) -> dict[str, tuple]:
+    """The trainer's settings among `names` with a fixed set of values, and those values (grpo.LossConfig checks
+    its own with them)."""
+    return {f.name: f.metadata["choices"] for f in dataclasses.fields(AsyncGRPOConfig)
+            if f.name in names and "choices" in f.metadata}

@@ -16,12 +16,12 @@ token toward the teacher's probability of it), mixed with the group advantage:
 from __future__ import annotations
 
 from harness_trainer.rollouts.session import RolloutRecord
-from harness_trainer.serving.teacher import Teacher
 from harness_trainer.traces.files import TrainingTrace
 from harness_trainer.training.packing import chains_from_trace
+from harness_trainer.training.protocols import TeacherModel
 
 
-def score_with_teacher(teacher: Teacher, records: list[RolloutRecord]) -> None:
+def score_with_teacher(teacher: TeacherModel, records: list[RolloutRecord]) -> None:
     """Attach the teacher's logprobs to every completion token of these rollouts' traces, in place (the
     records' training_trace turns' metadata); the teacher counts the tokens and seconds it took."""
     jobs = []  # (record, its chains)

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness_trainer.training.config import CHOICES, choose
+from harness_trainer.choices import choose, flag
+from harness_trainer.training.config import choices_of
 
 SEQUENCE_AGGREGATES = ("grpo", "sapo", "dr_grpo", "luspo")  # need to know which sequence a token is in
 
@@ -105,9 +106,8 @@ class LossConfig:
                    ratio_to="behaviour" if getattr(args, "loss_mode", None) == "ppo" else "proximal")
 
     def __post_init__(self):  # built from a checked config, or by hand (the parity tests): the same rules
-        for name, allowed in CHOICES.items():
-            if hasattr(self, name):
-                choose(name, getattr(self, name), allowed)
+        for name, allowed in choices_of(self.__dataclass_fields__).items():
+            choose(flag(name), getattr(self, name), allowed)
 
     @property
     def whole_batch(self) -> bool:

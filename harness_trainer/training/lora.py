@@ -52,8 +52,6 @@ def add_lora(model, settings: LoraSettings):
     """Inject the adapter into `model` in place; returns the PeftModel (for saving, disabling, merging)."""
     from peft import LoraConfig, get_peft_model
 
-    if settings.rank < 1:
-        raise ConfigError(f"--lora-rank must be a positive integer, got {settings.rank}")
     targets = lora_targets(model, settings.target_modules)
     return get_peft_model(model, LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
                                             lora_dropout=settings.dropout, target_modules=targets, bias="none",

@@ -15,8 +15,8 @@ is skipped (the run goes on with the others) and synced when it answers again.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +31,7 @@ from harness_trainer.serving.engine import teacher_forced_logprobs
 from harness_trainer.serving.gpu_sync import transfer_available
 from harness_trainer.serving.process import engine_answers
 from harness_trainer.serving.supervise import wait_for
-from harness_trainer.serving.sync_steps import BACKENDS, GPU_BACKENDS, IPC, LORA, RELOAD
+from harness_trainer.serving.sync_steps import GPU_BACKENDS, IPC, RELOAD
 from harness_trainer.serving.weight_sync import WeightSync, make_weight_sync, weight_version
 from harness_trainer.training.policy import PROBE_IDS
 from harness_trainer.training.protocols import TrainablePolicy
@@ -40,22 +40,15 @@ log = logging.getLogger("harness_trainer")
 PARALLEL_SYNCS = 4  # engines loaded at once: each reads the same saved weights
 
 
-def check_backend(backend: str, args) -> None:
-    """The weight-sync backend fits the run's settings and this machine (a ConfigError naming the fix)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown weight_sync_backend '{backend}': choose {', '.join(BACKENDS[:-1])} or "
-                          f"{BACKENDS[-1]}")
+@functools.cache
+def preflight(backend: str, world_size: int = 1) -> None:
+    """What the weight-sync backend needs of this machine, once a process (ConfigError naming the fix); the
+    settings' own rules are AsyncGRPOConfig.check's."""
     if backend in GPU_BACKENDS and (missing := transfer_available()) is not None:
         raise ConfigError(f"weight_sync_backend='{backend}' cannot run here: {missing}")
-    if backend == IPC and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its handle all-gather spans every rank
+    if backend == IPC and world_size > 1:  # its handle all-gather spans every rank
         raise ConfigError("weight_sync_backend='ipc' shares one GPU between one trainer process and the engine: with "
                          "several trainer ranks use nccl")
-    if (backend == LORA) != args.use_peft:
-        raise ConfigError("weight_sync_backend='lora' and use_peft go together: an adapter is synced by name, "
-                         "full weights by reload, nccl or ipc")
-    if args.use_peft and args.distributed == "fsdp":
-        raise ConfigError("use_peft with distributed='fsdp' is not supported: an adapter is small, train it with "
-                         "distributed='ddp'")
 
 
 class PolicySync:

@@ -9,7 +9,7 @@
        step_clip, or its batch by more than max_step_kl mean KL, is shortened to the largest scale inside
        (or not taken)                                                training/trust_region.py
 
-Functions of the policy (policy.py: its args, model, optimizer, rank), called as Policy.step.
+Functions of the policy, typed by what they read of it (protocols.py: Learner), called as Policy.step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,12 +26,10 @@ from harness_trainer.traces.files import TrainingTrace
 from harness_trainer.training.distributed import all_reduce, all_reduce_gradients
 from harness_trainer.training.grpo import Sequences, group_advantages, policy_loss, sample_std
 from harness_trainer.training.packing import chains_from_trace, pack
+from harness_trainer.training.protocols import Learner
 from harness_trainer.training.sharding import gathered, is_sharded
 from harness_trainer.training.tree_forward import plan_ranges, tree_backward, tree_logprobs
 from harness_trainer.training.trust_region import bound_step, room_in
-
-if TYPE_CHECKING:  # a type only: policy.py imports this module (its step)
-    from harness_trainer.training.policy import Policy
 
 
 @dataclass
@@ -94,7 +91,7 @@ def batch_from_groups(groups: list[list[RolloutRecord]], scale_rewards: str = "n
     return Batch(chains, advantages, trained, sum(trained), metrics)
 
 
-def train_on(policy: Policy, groups: list[list[RolloutRecord]], step: int) -> dict:
+def train_on(policy: Learner, groups: list[list[RolloutRecord]], step: int) -> dict:
     """One optimizer step on finished, scored groups, each with its own advantages; the loss is the token
     mean over every trained token of the step. Every rank runs it on the same groups."""
     batch = batch_from_groups(groups, policy.args.scale_rewards, policy.args.mask_truncated_completions,
@@ -128,7 +125,7 @@ def train_on(policy: Policy, groups: list[list[RolloutRecord]], step: int) -> di
                               "trained_tokens": batch.total}
 
 
-def _backward(policy: Policy, chains: list, batch: Batch):
+def _backward(policy: Learner, chains: list, batch: Batch):
     """This rank's chains packed into one prefix tree, its loss's gradients accumulated in micro-batches;
     (loss, stats, tree, logprobs). A rank with nothing to train still joins FSDP's collectives."""
     loss, stats, tree, logp = torch.zeros((), device=policy.device), {}, None, None
@@ -167,7 +164,7 @@ def _backward(policy: Policy, chains: list, batch: Batch):
     return loss, stats, tree, logp
 
 
-def _gradient_at(policy: Policy, tree, cfg, behaviour, adv, total: int, seqs: Sequences, reference, teacher):
+def _gradient_at(policy: Learner, tree, cfg, behaviour, adv, total: int, seqs: Sequences, reference, teacher):
     """For a loss that is not a sum of per-token terms (sequence ratios and IS weights, the off-policy mask, the
     entropy quantile): the whole tree's logprobs and entropies first (no gradient, as TRL computes its old
     logprobs), then d loss / d logp_t there. The backward of sum_t g_t logp_t in any micro-batches is then the
@@ -182,7 +179,7 @@ def _gradient_at(policy: Policy, tree, cfg, behaviour, adv, total: int, seqs: Se
     return lambda logp_part, index: (g[index] * logp_part).sum()
 
 
-def _reference_logprobs(policy: Policy, tree) -> torch.Tensor:
+def _reference_logprobs(policy: Learner, tree) -> torch.Tensor:
     """The starting policy's logprobs on the tree (with LoRA: the same model, its adapter disabled)."""
     with torch.no_grad(), (policy.peft.disable_adapter() if policy.peft else contextlib.nullcontext()):
         with gathered(policy.ref_model):
@@ -190,7 +187,7 @@ def _reference_logprobs(policy: Policy, tree) -> torch.Tensor:
                                  max_tokens=policy.args.max_tokens_per_microbatch)
 
 
-def _step_change(policy: Policy, tree, old: torch.Tensor | None) -> dict:
+def _step_change(policy: Learner, tree, old: torch.Tensor | None) -> dict:
     """How far the step moved the policy on its own trained tokens, over every rank: mean k3 KL(before ||
     after), the smallest and largest ratio p_after / p_before, and the largest |p_after - p_before|."""
     sums = torch.zeros(2, dtype=torch.float64, device=policy.device)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -64,8 +65,8 @@ from harness_trainer.training.distill import score_with_teacher
 from harness_trainer.training.distributed import FAILED, broadcast, init_distributed, trainer_device, trainer_placement
 from harness_trainer.training.grpo import group_advantages
 from harness_trainer.training.policy import Policy
-from harness_trainer.training.policy_sync import PolicySync, check_backend
-from harness_trainer.training.protocols import EngineSync, TrainablePolicy
+from harness_trainer.training.policy_sync import PolicySync, preflight
+from harness_trainer.training.protocols import EngineSync, RolloutSource, TeacherModel, TrainablePolicy
 from harness_trainer.training.timing import StepClock, overlap_warnings, sampled_tokens
 from harness_trainer.training.trust_region import StabilityMonitor
 
@@ -80,17 +81,18 @@ def task_index(cursor: int, n: int, seed: int, shuffle: bool = True) -> int:
 
 
 class HarnessAsyncGRPOTrainer:
-    """The loop (rollout pool -> step -> sync -> checkpoint) over its collaborators, each typed by a Protocol and
-    built here only when none is passed in (TRL's async_grpo): the session factory (rollouts/session.py
-    SessionFactory: where rollouts come from), `policy` (protocols.py TrainablePolicy: policy.py's Policy) and
-    `sync` (protocols.py EngineSync: policy_sync.py's PolicySync, itself given `weight_sync`)."""
-    pool: RolloutPool | None = None  # the rollouts in flight, while the loop runs
+    """The loop (rollouts -> step -> sync -> checkpoint) over its collaborators, each typed by a Protocol and built
+    here only when none is passed in (TRL's async_grpo): the session factory (rollouts/session.py SessionFactory),
+    `rollouts` (a RolloutSource's maker: RolloutPool, TRL's rollout_worker), `policy` (TrainablePolicy: Policy),
+    `sync` (EngineSync: PolicySync, given `weight_sync`), `teacher` (TeacherModel: from teacher_url)."""
+    pool: RolloutSource | None = None  # the rollouts in flight, while the loop runs
 
     def __init__(self, model, harness_session_factory=None, args: AsyncGRPOConfig | None = None,
                  train_dataset: list | None = None, rollout_reward_fn=None, callbacks: list | None = None, *,
                  environment_factory=None, reward_funcs=None, weight_sync: Callable[[str], WeightSync] | None = None,
                  policy: TrainablePolicy | None = None, sync: EngineSync | None = None,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, rollouts: Callable[..., RolloutSource] = RolloutPool,
+                 teacher: TeacherModel | None = None):
         """Black-box: harness_session_factory (SamplingPolicy -> SessionFactory: a partial of LocalSessionFactory)
         and Harbor tasks. White-box, as TRL's GRPOTrainer takes it: environment_factory (the class), reward_funcs
         (group functions, rewards.py) and train_dataset rows with a `prompt` column; the trainer then runs its own
@@ -107,27 +109,23 @@ class HarnessAsyncGRPOTrainer:
         self.args = args
         placement = placement or trainer_placement(args)
         backend = None if sync else resolve_weight_sync(args.weight_sync_backend, args.use_peft, placement)
-        if backend:  # the default sync's backend fits the settings and this machine, before anything is loaded
-            check_backend(backend, args)
+        if backend:  # the default sync's backend can run on this machine, before anything is loaded (once a process)
+            preflight(backend, int(os.environ.get("WORLD_SIZE", "1")))
         device = trainer_device(placement)  # one device per rank: the rank's GPU of the placement, else the CPU
         self.rank, self.world_size = init_distributed(device)
         self.policy = policy or Policy(model, args, device, self.rank, self.world_size)
         self.lead_failed = False  # a follower's view: rank 0's loop ended in an error (no final save will come)
         self.own_proxy = None  # the capture proxy a white-box run given no session factory starts for itself
-        if environment_factory is not None and harness_session_factory is None and self.rank == 0:
-            harness_session_factory, self.own_proxy = environment_sessions(environment_factory, args)
-        # The trainer owns the sampling policy and hands it to the factory before any session starts
-        # (on rank 0 only: the other ranks never run a rollout).
-        self.factory = harness_session_factory(SamplingPolicy(
-            training=True, temperature=args.temperature, max_tokens_cap=args.max_completion_tokens)) \
-            if self.rank == 0 else None
+        self.factory = self._sessions(harness_session_factory, environment_factory) if self.rank == 0 else None
         self.tasks = list(train_dataset or [])
         if self.tasks and isinstance(self.tasks[0], dict):  # dataset rows (white-box), not Harbor tasks
             self.tasks = load_rows(self.tasks)
         if not self.tasks:
             raise ConfigError("train_dataset is empty: give at least one task")
         self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
-        self.teacher = self._teacher()
+        self.make_rollouts = rollouts
+        self.own_teacher = teacher is None  # one passed in is its maker's to close
+        self.teacher = teacher or self._teacher()
         self.out = Path(args.output_dir)
         self.sync = sync or PolicySync(self.policy, args, getattr(self.factory, "proxy", None), backend,
                                        weight_sync, self.out)
@@ -142,7 +140,19 @@ class HarnessAsyncGRPOTrainer:
         if args.resume_from_checkpoint:
             self._restore(load_checkpoint(Path(args.resume_from_checkpoint), self.policy))
 
-    def _teacher(self) -> Teacher | None:
+    def _sessions(self, harness_session_factory, environment_factory):
+        """The run's session factory, made with the trainer's sampling policy (rank 0 only: the others never run a
+        rollout); given only an environment_factory, over a capture proxy of its own."""
+        args = self.args
+        if environment_factory is not None and harness_session_factory is None:
+            harness_session_factory, self.own_proxy = environment_sessions(
+                environment_factory, args.vllm_server_base_url, args.output_dir,
+                max_completion_length=args.max_completion_length,
+                max_tool_calling_iterations=args.max_tool_calling_iterations)
+        return harness_session_factory(SamplingPolicy(
+            training=True, temperature=args.temperature, max_tokens_cap=args.max_completion_tokens))
+
+    def _teacher(self) -> TeacherModel | None:
         """On-policy distillation: the engine that scores the student's tokens (distill.py), on rank 0."""
         if not self.args.teacher_url or self.rank != 0:
             return None
@@ -227,8 +237,9 @@ class HarnessAsyncGRPOTrainer:
             if self.world_size > 1:  # releases the other ranks, saying whether the run finished
                 broadcast(None if finished else FAILED)
             self.sync.close()
-            if self.teacher is not None:
+            if self.teacher is not None and self.own_teacher:
                 self.teacher.close()
+            self.factory.close()  # made here from its maker: what its sessions shared (containers started ahead)
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop; join the collectives
@@ -281,8 +292,9 @@ class HarnessAsyncGRPOTrainer:
             # resume it may still hold weights of a step that was never checkpointed).
             self.sync.sync_weights(self.step)
         workers = max(args.max_concurrent_rollouts, args.num_generations * groups_in_flight)
-        with RolloutPool(self.factory, self.out, workers, self._score, on_launch=self._hook("on_launch"),
-                         on_rollout=self._hook("on_rollout")) as pool:  # its exit stops what is still in flight
+        with contextlib.closing(self.make_rollouts(  # its close stops what is still in flight
+                self.factory, self.out, workers, self._score, on_launch=self._hook("on_launch"),
+                on_rollout=self._hook("on_rollout"))) as pool:
             self.pool = pool
             clock, seconds = StepClock(self.sync.engine_time), []  # where each step's time went (timing.py)
             while self.step < args.max_steps:
@@ -320,7 +332,7 @@ class HarnessAsyncGRPOTrainer:
                 self._end_step(metrics, tasks)
         return self.history
 
-    def _collect_step(self, pool: RolloutPool, groups_in_flight: int, seconds: list[float]
+    def _collect_step(self, pool: RolloutSource, groups_in_flight: int, seconds: list[float]
                       ) -> tuple[list, list[str], dict]:
         """A step's groups_per_step groups, oldest first, the pool kept full. A group with a rollout more than
         max_staleness versions old (or cancelled) is dropped and counted; with dynamic_sampling so is a group
@@ -368,7 +380,7 @@ class HarnessAsyncGRPOTrainer:
         """Versions between the policy now and the oldest turn the rollout would train on (0 without turns)."""
         return self.version - min(record.policy_versions) if record.policy_versions else 0
 
-    def _fill(self, pool: RolloutPool, groups_in_flight: int, needed: int, taken: int) -> None:
+    def _fill(self, pool: RolloutSource, groups_in_flight: int, needed: int, taken: int) -> None:
         """Keep up to groups_in_flight groups in flight, but none that could not train within max_staleness: groups
         are collected in launch order and each step syncs, so a group launched now, with `pending` groups before it
         and `taken` collected this step, trains (pending + taken) // groups_per_step versions from now. One

@@ -4,7 +4,7 @@ against a scripted server)."""
 from agent_logs import replay
 
 from harness_trainer.agents.base import AgentRun
-from harness_trainer.agents.harnesses import make_harness
+from harness_trainer.agents.registry import make_harness
 
 
 def test_aider_is_pointed_at_the_session_with_no_temperature_of_its_own():

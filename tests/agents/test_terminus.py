@@ -5,7 +5,7 @@ server; the pane's folder renamed /app)."""
 from agent_logs import replay
 
 from harness_trainer.agents.base import AgentRun
-from harness_trainer.agents.harnesses import make_harness
+from harness_trainer.agents.registry import make_harness
 from harness_trainer.agents.terminus import HARBOR_PYTHON, RUNNER
 
 

@@ -17,6 +17,27 @@ def test_help_lists_commands_with_defaults():
     assert "(default: 8000)" in result.stdout and "--tool-call-parser" in result.stdout
 
 
+def help_text(command: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "harness_trainer.commands.cli", command, "--help"],
+                            capture_output=True, text=True, check=True)
+    return "".join(result.stdout.split())  # argparse wraps at hyphens too: compared without white space
+
+
+def test_every_choice_list_in_the_help_is_the_code_that_decides_it():
+    """A setting's values are declared with its field, and the help names each: the harnesses from the registry
+    (aider and terminus-2 were once left out of a list written by hand), the loss types, the backends."""
+    from harness_trainer.agents.registry import HARNESSES
+    from harness_trainer.serving.sync_steps import BACKENDS
+    from harness_trainer.training.config import LOSS_TYPES
+
+    assert "aider" in HARNESSES and "terminus-2" in HARNESSES
+    for command in ("train", "eval"):
+        text = help_text(command)
+        assert [name for name in HARNESSES if name not in text] == [], command
+    train = help_text("train")
+    assert [name for name in (*LOSS_TYPES, *BACKENDS) if name not in train] == []
+
+
 def test_serve_with_missing_model_is_a_clear_error(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
@@ -38,7 +59,7 @@ def test_proxy_refuses_a_public_bind_without_admin_key():
 
 def test_eval_with_unknown_dataset_is_a_clear_error_before_anything_starts(capsys):
     assert main(["eval", "--dataset", "builtin:nope"]) == 1
-    assert "no builtin dataset 'nope'" in capsys.readouterr().err
+    assert "builtin dataset 'nope': choose toy" in capsys.readouterr().err
 
 
 # ---- one CLI vocabulary (commands/flags.py) ------------------------------------------------------------------
@@ -139,5 +160,5 @@ def test_the_proofs_grpo_settings_are_typed_and_checked_before_any_stage(tmp_pat
     assert proof(["--grpo", "nope=1", "--output-dir", str(tmp_path / "p")]) == 1
     assert "--grpo nope: AsyncGRPOConfig has no such setting" in capsys.readouterr().err
     assert proof(["--grpo", "scale_rewards=bad", "--output-dir", str(tmp_path / "p")]) == 1
-    assert "--scale-rewards bad: choose one of none, group, batch" in capsys.readouterr().err
+    assert "--scale-rewards 'bad': choose none, group or batch" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()  # refused before anything was written

@@ -213,7 +213,7 @@ def test_the_default_source_is_this_checkout_uploaded_once_to_a_private_dataset_
 
 
 @pytest.mark.parametrize("args, env, says", [
-    (["--flavor", "h100x9"], {}, "unknown flavor 'h100x9'"),
+    (["--flavor", "h100x9"], {}, "--flavor 'h100x9': choose"),
     (["--flavor", "h200"], {}, "flavor h200 has 1 GPU: the engine takes GPU 0"),
     (["--source", "svn://x"], {}, "--source svn://x: write upload"),
     (["--", "--model", "/some/folder"], {}, "--model /some/folder is a folder here, which the job cannot see"),

@@ -141,9 +141,9 @@ def _occupied_port():
 
 @pytest.mark.parametrize("flags, says", [
     (["--harness", "crush"],
-     "unknown harness 'crush': choose mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code, "
+     "--harness 'crush': choose mini-swe-agent, opencode, claude-code, codex, cline, gemini-cli, qwen-code, "
      "aider, terminus-2 or command"),
-    (["--dataset", "builtin:nope"], "no builtin dataset 'nope'"),
+    (["--dataset", "builtin:nope"], "builtin dataset 'nope': choose toy"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--vllm-url", "http://127.0.0.1:9"], "no healthy vLLM server at http://127.0.0.1:9"),
     (["--engine-port", "PORT"], "is in use: choose another --engine-port"),
@@ -151,20 +151,21 @@ def _occupied_port():
      "the agent program /nonexistent/agent (from --agent-command) does not exist"),
     (["--sandbox", "e2b"], "needs E2B_API_KEY"),
     (["--reward", "no_such_module:fn"], "cannot import fn from no_such_module"),
-    (["--report-to", "tensorboard"], "choose trackio, wandb or none"),
+    (["--report-to", "tensorboard"], "--report-to 'tensorboard': choose trackio, wandb or none"),
     (["--engines", "2", "--vllm-url", "http://127.0.0.1:9"], "--engines launches engines and --vllm-url attaches"),
     (["--engines", "0"], "--engines 0: give 1 or more"),
-    (["--step-clip-mode", "wavy"], "unknown step_clip_mode 'wavy'"),
-    (["--lr-scheduler-type", "wavy"], "--lr-scheduler-type wavy: choose one of linear, cosine"),
+    (["--step-clip-mode", "wavy"], "--step-clip-mode 'wavy': choose probability or ratio"),
+    (["--lr-scheduler-type", "wavy"], "--lr-scheduler-type 'wavy': choose linear, cosine"),
     (["--warmup-ratio", "0.1"], "--warmup-ratio needs a schedule with a warm-up"),
     (["--groups-per-step", "0"], "--groups-per-step must be a positive integer"),
-    (["--dtype", "float64"], "--dtype float64: choose auto, float32, bfloat16 or float16"),
+    (["--dtype", "float64"], "--dtype 'float64': choose auto, float32, bfloat16 or float16"),
     (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch must be a positive integer or none"),
     (["--environment", "harness_trainer.examples.echo:EchoEnv"], "--environment needs --reward-funcs"),
     (["--use-peft", "--lora-rank", "1024"], "--lora-rank 1024 is larger than the largest rank vLLM serves"),
     (["--use-peft", "--lora-target-modules", "c_attn"], "--lora-target-modules c_attn: the model has no such"),
-    (["--use-peft", "--weight-sync-backend", "reload"], "'lora' and use_peft go together"),
-    (["--sandbox", "nosuch"], "unknown sandbox 'nosuch': choose auto, local, docker, e2b, harbor"),
+    (["--use-peft", "--weight-sync-backend", "reload"], "--weight-sync-backend lora and --use-peft go together"),
+    (["--use-peft", "--distributed", "fsdp"], "--use-peft with --distributed fsdp is not supported"),
+    (["--sandbox", "nosuch"], "--sandbox 'nosuch': choose auto, local, docker, e2b, harbor"),
     (["--sandbox", "no_such_module:Box"], "--sandbox no_such_module:Box: cannot import Box from no_such_module"),
 ])
 def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
@@ -187,16 +188,16 @@ def test_clear_errors_start_nothing(flags, says, tmp_path, capsys, monkeypatch):
 # the settings' own checks (training/config.py, rollouts/config.py): field -> (bad value, what the CLI says)
 CONFIG_REFUSALS = {"num_generations": (0, "--num-generations must be a positive integer"),
                    "groups_per_step": (0, "--groups-per-step must be a positive integer"),
-                   "lr_scheduler_type": ("wavy", "--lr-scheduler-type wavy: choose one of linear, cosine"),
+                   "lr_scheduler_type": ("wavy", "--lr-scheduler-type 'wavy': choose linear, cosine"),
                    "warmup_ratio": (0.1, "--warmup-ratio needs a schedule with a warm-up"),
-                   "dtype": ("float64", "--dtype float64: choose auto, float32, bfloat16 or float16"),
+                   "dtype": ("float64", "--dtype 'float64': choose auto, float32, bfloat16 or float16"),
                    "max_tokens_per_microbatch": (0, "--max-tokens-per-microbatch must be a positive integer or none"),
-                   "step_clip_mode": ("wavy", "unknown step_clip_mode 'wavy'"),
-                   "distributed": ("mesh", "--distributed mesh: choose ddp or fsdp"),
-                   "loss_type": ("ppo", "--loss-type ppo: choose one of grpo, dr_grpo, dapo"),
-                   "vllm_importance_sampling_mode": ("tis", "--vllm-importance-sampling-mode tis: choose one of "),
-                   "scale_rewards": ("std", "--scale-rewards std: choose one of none, group, batch"),
-                   "importance_sampling_level": ("turn", "--importance-sampling-level turn: choose one of token"),
+                   "step_clip_mode": ("wavy", "--step-clip-mode 'wavy': choose probability or ratio"),
+                   "distributed": ("mesh", "--distributed 'mesh': choose ddp or fsdp"),
+                   "loss_type": ("ppo", "--loss-type 'ppo': choose grpo, dr_grpo, dapo"),
+                   "vllm_importance_sampling_mode": ("tis", "--vllm-importance-sampling-mode 'tis': choose "),
+                   "scale_rewards": ("std", "--scale-rewards 'std': choose none, group or batch"),
+                   "importance_sampling_level": ("turn", "--importance-sampling-level 'turn': choose token or"),
                    "top_entropy_quantile": (1.5, "--top-entropy-quantile must be in [0, 1]"),
                    "distillation_weight": (2, "--distillation-weight must be in [0, 1]"),
                    "dynamic_sampling_max_tries": (0, "--dynamic-sampling-max-tries must be a positive integer"),
@@ -236,8 +237,8 @@ def test_eval_refuses_an_unknown_policy_before_it_touches_its_folder(tmp_path, c
     out.mkdir()
     (out / "rollouts.jsonl").write_text("kept\n")
     assert main(["eval", "--policy", "teacher", "--output-dir", str(out)]) == 1
-    assert "unknown --policy 'teacher': choose model or oracle" in capsys.readouterr().err
-    with pytest.raises(PublicConfigError, match="unknown --policy 'teacher'"):
+    assert "--policy 'teacher': choose model or oracle" in capsys.readouterr().err
+    with pytest.raises(PublicConfigError, match="--policy 'teacher': choose model or oracle"):
         EvalConfig(policy="teacher", output_dir=str(out))
     white_box = ["--environment", "harness_trainer.examples.echo:EchoEnv", "--output-dir", str(out)]
     for flags, says in ((white_box, "--environment needs --reward-funcs"),
@@ -247,8 +248,8 @@ def test_eval_refuses_an_unknown_policy_before_it_touches_its_folder(tmp_path, c
     with pytest.raises(PublicConfigError, match="--environment needs --reward-funcs"):
         EvalConfig(environment="harness_trainer.examples.echo:EchoEnv", output_dir=str(out))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    for flags, says in ((["--harness", "nosuch"], "unknown harness 'nosuch'"),
-                        (["--sandbox", "nosuch"], "unknown sandbox 'nosuch'")):  # no engine is started for them
+    for flags, says in ((["--harness", "nosuch"], "--harness 'nosuch': choose"),
+                        (["--sandbox", "nosuch"], "--sandbox 'nosuch': choose")):  # no engine is started for them
         assert main(["eval", *flags, "--output-dir", str(out)]) == 1 and says in capsys.readouterr().err
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert (out / "rollouts.jsonl").read_text() == "kept\n"

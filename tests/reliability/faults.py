@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from harness_trainer.agents.harnesses import CommandHarness
+from harness_trainer.agents.command import CommandHarness
 
 # The agent: one model call (retried, as real agents retry their API), its answer written to /app/answer.txt;
 # then what its instruction says: hang, crash (SIGKILL itself), or pause and call once more.

@@ -12,10 +12,10 @@ import threading
 import httpx
 import pytest
 
-from harness_trainer.agents.sandbox import LocalSandbox
 from harness_trainer.proxy.client import ProxyServer, proxy_python
 from harness_trainer.rollouts.tasks import load_dataset
 from harness_trainer.rollouts.verifier import verify
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox
 from harness_trainer.serving.process import free_port
 
 MESSAGES = [{"role": "user", "content": "hi"}]

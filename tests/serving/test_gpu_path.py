@@ -112,7 +112,7 @@ def test_gpu_syncs_refuse_to_start_without_cuda_or_vllm(tmp_path):
         with pytest.raises(ValueError, match=f"weight_sync_backend='{backend}' cannot run here: .*use reload"):
             HarnessAsyncGRPOTrainer("unused", None, AsyncGRPOConfig(weight_sync_backend=backend,
                                                                     output_dir=str(tmp_path)), [])
-    with pytest.raises(ValueError, match="choose nccl or ipc"):
+    with pytest.raises(ValueError, match="weight_sync_backend 'rdma': choose nccl or ipc"):
         TransferSync("rdma", "http://127.0.0.1:1")
 
 

@@ -149,7 +149,7 @@ def test_lora_needs_an_engine_with_lora_and_its_own_sync(tiny_model_dir, tmp_pat
             trainer.train()  # the cold sync, before any rollout
     finally:
         stub.shutdown()
-    with pytest.raises(ValueError, match="'lora' and use_peft go together"):
+    with pytest.raises(ValueError, match="--weight-sync-backend lora and --use-peft go together"):
         HarnessAsyncGRPOTrainer(str(tiny_model_dir), None, AsyncGRPOConfig(use_peft=True,
                                                                             weight_sync_backend="reload"), [])
     with pytest.raises(ValueError, match="the model has no such modules"):

@@ -82,7 +82,7 @@ def test_two_cpu_processes_take_the_single_process_step(tiny_model_dir, tmp_path
 RUN = textwrap.dedent("""
     import sys, shlex
     from functools import partial
-    from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.agents.command import CommandHarness
     from harness_trainer.rollouts.session import LocalSessionFactory
     from harness_trainer.rollouts.tasks import load_task
     from harness_trainer.proxy.client import ProxyClient

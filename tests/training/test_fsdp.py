@@ -98,6 +98,9 @@ FAILS = textwrap.dedent("""
         def create(self, task, episode_id=None):
             raise CaptureContractError("injected")
 
+        def close(self):
+            pass
+
     model, out = sys.argv[1:3]
     trainer = HarnessAsyncGRPOTrainer(model, lambda sampling: Broken(), AsyncGRPOConfig(
         output_dir=out, distributed="fsdp", num_generations=2, max_concurrent_rollouts=2), [SimpleNamespace(name="t")])

@@ -2,17 +2,21 @@
 scripted session factory (no agent, no proxy), a policy with no model, an engine sync with no engine. What is
 real here is the loop itself and the rollout pool it drives: groups, staleness, cancellation, syncs, the
 checkpoint and the metrics line of each step, resume, and the stops. No clock: a rollout "still running" is held
-on an event the test owns. The real parts end to end: tests/training/test_trainer_end_to_end.py."""
+on an event the test owns. And the loop alone, on a rollout source with no threads (the `rollouts=` seam). The
+real parts end to end: tests/training/test_trainer_end_to_end.py."""
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from stubs import ScriptedSessions, StubPolicy, StubSync, scripted_turns
 
 from harness_trainer import TrainingStopped
+from harness_trainer.rollouts.session import run_rollout
 from harness_trainer.training.trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, task_index
 
 
@@ -27,14 +31,14 @@ def rewarded(task, index: int, episode: str, version: int):
     return scripted_turns([1, 5, 7], [20 + index, 21], version), float(index % 2 == 0)
 
 
-def trainer(tmp_path, sessions=None, sync=None, policy=None, tasks=("a", "b"), **settings):
+def trainer(tmp_path, sessions=None, sync=None, policy=None, tasks=("a", "b"), rollouts=None, **settings):
     sync = sync or StubSync()
     sessions = sessions or ScriptedSessions(rewarded, version=lambda: sync.version)
     args = AsyncGRPOConfig(**{"output_dir": str(tmp_path / "run"), "vllm_server_base_url": "http://stub",
                               "num_generations": 2, "max_concurrent_rollouts": 2, "max_steps": 3, "save_steps": 1,
                               "shuffle_dataset": False, **settings})
     return HarnessAsyncGRPOTrainer(None, sessions, args, [Task(t) for t in tasks], policy=policy or StubPolicy(),
-                                   sync=sync)
+                                   sync=sync, **({"rollouts": rollouts} if rollouts else {}))
 
 
 def lines(path) -> list[dict]:
@@ -49,7 +53,7 @@ def test_each_step_trains_one_group_then_syncs_and_saves(tmp_path):
     assert [h["task"] for h in history] == ["a", "b", "a"] and all(h["trained_tokens"] == 4 for h in history)
     assert [len(episodes) for _, episodes in run.policy.steps] == [2, 2, 2]
     assert [m["step"] for m in lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
-    assert len(lines(tmp_path / "run" / "rollouts.jsonl")) == 6 and run.sync.closed
+    assert len(lines(tmp_path / "run" / "rollouts.jsonl")) == 6 and run.sync.closed and run.factory.closed
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert run.factory.sampling.training and run.factory.sampling.max_tokens_cap == 256  # its SamplingPolicy
     # where each step's time went (training/timing.py): the stub sync has no engine, so no rollout-side idle
@@ -57,6 +61,46 @@ def test_each_step_trains_one_group_then_syncs_and_saves(tmp_path):
         assert h["sampled_tokens"] == 4 and h["discarded_tokens/stale"] == h["discarded_tokens/flat"] == 0
         assert 0 <= h["trainer/idle_ratio"] <= 1 and h["wait_for_groups_s"] <= h["step_time_s"]
         assert h["generation_s"] >= 0 and "rollouter/idle_ratio" not in h
+
+
+class InlineRollouts:
+    """A RolloutSource (training/protocols.py) with no threads: a group's rollouts run to their end as it is
+    launched, one after another, and are scored as the pool scores them. Made as the trainer makes RolloutPool."""
+    made: list[InlineRollouts] = []
+
+    def __init__(self, factory, out, workers, score, on_launch=None, on_rollout=None):
+        self.factory, self.score, self.pending, self.closed, self.cancels = factory, score, deque(), False, 0
+        InlineRollouts.made.append(self)
+
+    def launch(self, task, n, episode, version=0):
+        records = [run_rollout(self.factory, task, f"{episode}-{i}") for i in range(n)]
+        self.score(records, task)
+        self.pending.append(SimpleNamespace(task=task, records=records))
+
+    def next(self):
+        return self.pending.popleft()
+
+    def cancel_stale(self, version, max_staleness):
+        self.cancels += 1
+        return 0
+
+    def discard(self):
+        self.pending.clear()
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_loop_runs_on_a_rollout_source_of_its_own_with_no_threads(tmp_path):
+    """rollouts= takes the maker of any RolloutSource (RolloutPool by default, TRL's rollout_worker=): the loop
+    trains what it yields, cancels stale work after each sync, and closes the source it made."""
+    InlineRollouts.made.clear()
+    run = trainer(tmp_path, rollouts=InlineRollouts)
+    history = run.train()
+    (source,) = InlineRollouts.made
+    assert [h["step"] for h in history] == [1, 2, 3] and [h["task"] for h in history] == ["a", "b", "a"]
+    assert source.closed and source.cancels == 3 and run.sync.synced == [0, 1, 2, 3]
+    assert [len(episodes) for _, episodes in run.policy.steps] == [2, 2, 2] and len(run.factory.created) == 2 * 3
 
 
 def test_no_group_is_launched_that_could_not_train_within_max_staleness(tmp_path, caplog):

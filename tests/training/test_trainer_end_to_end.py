@@ -146,7 +146,7 @@ def test_malformed_capture_stops_the_run(fresh_engine, proxy, tiny_model_dir, tm
 RUN = textwrap.dedent("""
     import sys, shlex
     from functools import partial
-    from harness_trainer.agents.harnesses import CommandHarness
+    from harness_trainer.agents.command import CommandHarness
     from harness_trainer.rollouts.session import LocalSessionFactory
     from harness_trainer.rollouts.tasks import load_task
     from harness_trainer.proxy.client import ProxyClient

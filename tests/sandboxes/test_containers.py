@@ -21,12 +21,12 @@ from harbor_corpus import (
 )
 
 from harness_trainer._exceptions import BuildError, SandboxError, TaskError
-from harness_trainer.agents.containers import DockerSandbox
-from harness_trainer.agents.images import LABEL, buildkit, docker_ready, image_for
-from harness_trainer.agents.sandbox import LocalSandbox
-from harness_trainer.agents.sandboxes import prepare
-from harness_trainer.agents.spares import SPARES
 from harness_trainer.rollouts.tasks import load_dataset, load_task
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox
+from harness_trainer.sandboxes.containers import DockerSandbox
+from harness_trainer.sandboxes.images import LABEL, buildkit, docker_ready, image_for
+from harness_trainer.sandboxes.registry import prepare
+from harness_trainer.sandboxes.spares import Spares
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +124,11 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
         with pytest.raises(BuildError, match="uses heredocs .* no BuildKit"):
             prepare("auto", {"heredoc": load_task(heredoc).environment}, tmp_path / "builds")
     # a task that runs in bubblewrap but whose verifier downloads its tools: said before the run, not after
-    from harness_trainer.agents.sandboxes import check_task_sandboxes
-    from harness_trainer.rollouts.config import RolloutConfig
+    from harness_trainer.sandboxes.registry import check_task_sandboxes
 
     online = plain_task(tmp_path / "online")
     (online / "tests" / "test.sh").write_text("#!/bin/bash\napt-get install -y curl && curl -LsSf x | sh\n")
-    check_task_sandboxes(RolloutConfig(sandbox="auto"), [load_task(online)])
+    check_task_sandboxes("auto", [load_task(online)])
     assert "seems to download tools (plain)" in capsys.readouterr().err
     # the good image is built once and reused by its context's digest
     first = image_for("build", tasks["build"])
@@ -137,15 +136,15 @@ def test_tasks_that_need_an_image_are_refused_under_local_and_a_failed_build_is_
     # a task with a docker_image and a Dockerfile runs the image, as Harbor does; --force-build builds it; a
     # docker_image that cannot be had is built from the Dockerfile, said once
     assert image_for("image", tasks["image"]) == BARE_IMAGE
-    (forced,) = check_task_sandboxes(RolloutConfig(sandbox="auto", force_build=True),
-                                     [load_task(tmp_path / "corpus" / "image")], tmp_path / "b1")
+    (forced,) = check_task_sandboxes("auto", [load_task(tmp_path / "corpus" / "image")], tmp_path / "b1",
+                                     force_build=True)
     assert image_for("image", forced.environment, tmp_path / "b1").startswith("harness-task/image:")
     absent = dataclasses.replace(tasks["image"], image="harness-test/never-made:1", build_timeout_s=60)
     assert image_for("image", absent, tmp_path / "b1").startswith("harness-task/image:")
     assert "its docker_image harness-test/never-made:1 could not be had" in capsys.readouterr().err
     # --skip-invalid-tasks runs around a task whose environment cannot be built, naming it with its log
     dataset = [load_task(broken), load_task(tmp_path / "corpus" / "plain")]
-    kept = check_task_sandboxes(RolloutConfig(sandbox="auto", skip_invalid_tasks=True), dataset, tmp_path / "b2")
+    kept = check_task_sandboxes("auto", dataset, tmp_path / "b2", skip_invalid=True)
     assert [t.name for t in kept] == ["plain"]
     err = capsys.readouterr().err
     assert "1 of 1 task environments could not be had; those tasks are skipped" in err
@@ -186,7 +185,6 @@ def test_a_trial_reaches_its_own_session_and_nothing_else(kind, engine, proxy, t
     assert seen["admin"].split()[1] == seen["other_session"].split()[1] == "403", seen  # the key is a session's
     assert seen["own_session"].split()[1] == "200", seen
     if kind == "docker":
-        SPARES.settle()  # stop() hands the removal to the background
         assert trial_containers() == []
 
 
@@ -253,9 +251,9 @@ def test_the_oracle_wins_every_corpus_task_in_containers(harness, config, engine
 HOLDER = """
 import sys, threading, time
 from pathlib import Path
-from harness_trainer.agents.containers import DockerSandbox
-from harness_trainer.agents.sandbox import LocalSandbox
-from harness_trainer.agents.images import ContainerSpec
+from harness_trainer.sandboxes.containers import DockerSandbox
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox
+from harness_trainer.sandboxes.images import ContainerSpec
 root, port = Path(sys.argv[1]), int(sys.argv[2])
 boxes = [LocalSandbox(root / "local", proxy=("127.0.0.1", port)),
          DockerSandbox(root / "docker", sys.argv[3], ContainerSpec(image=sys.argv[3]), proxy=("127.0.0.1", port)),
@@ -313,7 +311,7 @@ def test_a_compose_trial_reaches_its_services_and_nothing_of_the_host(docker, tm
     import socket
     import threading
 
-    from harness_trainer.agents.images import ContainerSpec
+    from harness_trainer.sandboxes.images import ContainerSpec
 
     listener = socket.create_server(("0.0.0.0", 0))
     threading.Thread(target=lambda: [listener.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
@@ -337,7 +335,6 @@ def test_a_compose_trial_reaches_its_services_and_nothing_of_the_host(docker, tm
     finally:
         box.stop()
         listener.close()
-    SPARES.settle()
     assert trial_containers() == []
 
 
@@ -359,9 +356,8 @@ def test_a_task_user_runs_its_phase_and_one_the_image_lacks_is_refused(docker, t
             ghost.start()
     finally:
         ghost.stop()
-    SPARES.settle()
     assert trial_containers() == []
-    from harness_trainer.agents.sandboxes import _warn_users
+    from harness_trainer.sandboxes.registry import _warn_users
 
     _warn_users("local", [dataclasses.replace(load_task(plain_task(tmp_path)), environment=spec)])
     assert "name an [agent] or [verifier] user (plain), which only a container applies" in capsys.readouterr().err
@@ -401,13 +397,12 @@ def test_what_the_agent_left_running_serves_the_verifier_and_cannot_rewrite_its_
         assert _sleeps(box) == before  # both of the timed-out exec's sleeps are gone, the kept ones stay
     finally:
         box.stop()
-    SPARES.settle()
     assert trial_containers() == []
 
 
 def test_an_images_entrypoint_runs_first_and_one_that_ends_is_refused(docker, tmp_path):
     """Harbor keeps the image's ENTRYPOINT and gives it `sh -c "sleep infinity"`: a service it starts runs."""
-    from harness_trainer.agents.images import ContainerSpec
+    from harness_trainer.sandboxes.images import ContainerSpec
 
     specs = {}
     for name, entry in (("starts", '#!/bin/sh\necho up > /tmp/service\nexec "$@"\n'), ("ends", "#!/bin/sh\nexit 3\n")):
@@ -427,7 +422,6 @@ def test_an_images_entrypoint_runs_first_and_one_that_ends_is_refused(docker, tm
             ended.start()
     finally:
         box.stop(), ended.stop()
-    SPARES.settle()
     assert trial_containers() == []
 
 
@@ -452,7 +446,6 @@ def test_a_cancelled_container_exec_ends_at_once_and_leaves_nothing_inside(docke
         assert box.exec("true", 10).stderr == "cancelled"  # and no later exec starts
     finally:
         box.stop()
-    SPARES.settle()  # stop() hands the removal to the background
     assert trial_containers() == []
 
 
@@ -509,7 +502,6 @@ def test_a_container_trial_copies_in_one_call_falls_back_without_tar_and_leaves_
         assert box.exec("cat /opt/two.txt", 60).stdout == "file\n"
     finally:
         box.stop()
-    SPARES.settle()  # stop() hands the removal to the background
     assert trial_containers() == []
 
 
@@ -521,17 +513,18 @@ def test_a_kind_that_recurs_gets_containers_started_ahead_each_used_once_and_non
 
     spec = load_task(image_task(tmp_path)).environment
     trials = tmp_path / "trials"
-    box = lambda n: DockerSandbox(trials / f"t{n}", BARE_IMAGE, spec)  # noqa: E731
+    spares = Spares()  # a provider's: each sandbox given it takes from and refills it
+    box = lambda n: DockerSandbox(trials / f"t{n}", BARE_IMAGE, spec, spares=spares)  # noqa: E731
     first = box(1)
     first.start()
     first.stop()  # not hot yet: no spare
     second = box(2)
     second.start()  # its own container; the kind is hot now (one ended a moment ago)
     kind, name = second.kind, second.name
-    assert not SPARES.waiting.get(kind) and not SPARES.pending.get(kind)
+    assert not spares.waiting.get(kind) and not spares.pending.get(kind)
     second.stop()  # a trial of a hot kind ends: a spare for the next
-    wait_until(lambda: SPARES.waiting.get(kind), 300, "the spare container")
-    spare = SPARES.waiting[kind][0][1].name
+    wait_until(lambda: spares.waiting.get(kind), 300, "the spare container")
+    spare = spares.waiting[kind][0][1].name
     third = box(3)
     third.start()
     try:
@@ -540,7 +533,7 @@ def test_a_kind_that_recurs_gets_containers_started_ahead_each_used_once_and_non
         assert (trials / "t3" / "logs" / "agent" / "note").read_text() == "mine\n"  # the trial's own record
     finally:
         third.stop()  # and one more spare for the next
-    wait_until(lambda: SPARES.waiting.get(kind), 300, "the next spare container")
-    SPARES.close()
+    wait_until(lambda: spares.waiting.get(kind), 300, "the next spare container")
+    spares.close()
     assert trial_containers() == []
     assert not list((trials / ".spares").glob("*"))  # a spare's folder went with it, or into its trial's

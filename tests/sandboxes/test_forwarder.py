@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from harness_trainer.agents import forwarder
+from harness_trainer.sandboxes import forwarder
 from harness_trainer.serving.process import free_port
 
 HALVES = {"compiled": lambda: [forwarder.compiled()],

@@ -1,9 +1,9 @@
-"""A container per trial, from the task's image (agents/images.py builds and finds it).
+"""A container per trial, from the task's image (images.py builds and finds it).
 
 Why Docker's CLI rather than Harbor's own environment classes: harbor needs Python 3.12 (the trainer is
 3.11), so reusing them means a bridge process per trial (`--sandbox harbor:docker` still offers that); driving
 the CLI directly is a few commands, lets the trial keep the project's own isolation (its network namespace
-with the forwarder, agents/forwarder.py) and mounts, and reports build failures before any rollout.
+with the forwarder, forwarder.py) and mounts, and reports build failures before any rollout.
 
 How the agent gets into an image that may hold neither Python nor Node: its runtime is mounted, read-only, at
 the same paths as on the host (the Python install behind the project's environments, .venv-mini, .tools:
@@ -27,8 +27,9 @@ import uuid
 from pathlib import Path
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents import compose
-from harness_trainer.agents.images import (
+from harness_trainer.sandboxes import compose
+from harness_trainer.sandboxes.base import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
+from harness_trainer.sandboxes.images import (
     LABEL,
     ContainerSpec,
     compose_digest,
@@ -37,8 +38,7 @@ from harness_trainer.agents.images import (
     image_folder,
     warn_once,
 )
-from harness_trainer.agents.sandbox import ExecResult, Execs, TrialDirs, agent_program_paths, kill_group, run_process
-from harness_trainer.agents.spares import SPARES
+from harness_trainer.sandboxes.spares import Spares
 
 # The container's command (Harbor's is `sh -c "sleep infinity"`, after the image's ENTRYPOINT, which is kept): it
 # idles, and reaps what dies under it. A process whose parent dies is handed to the init, so the ones an exec's
@@ -80,17 +80,18 @@ class DockerSandbox(TrialDirs):
     """One container per trial from the task's image: its ENTRYPOINT, WORKDIR, ENV and USER honoured, cpus and
     memory applied, no network or the bridge's (allow_internet), the trial's /logs and /home bind-mounted, the
     agent programs mounted read-only. The capture proxy is reached through the forwarder, in the container's own
-    network namespace (agents/forwarder.py). Each exec is `docker exec`, as the task's [agent] / [verifier]
+    network namespace (forwarder.py). Each exec is `docker exec`, as the task's [agent] / [verifier]
     user; what a finished exec left running stays (a server for the tests), a timed-out or cancelled exec's
-    processes are killed. `stop()` removes it."""
+    processes are killed. `stop()` removes it: in the background with the provider's `spares` (which also starts
+    containers ahead for a kind of trial that recurs), else at once."""
 
     MOUNTED = ("logs", "home", "tests")  # the trial's own folders: read, cleared, filled on the host
     SEEDED = ("home", "tests")  # ... which start with what the image holds there (a mount would hide it)
 
     def __init__(self, trial_dir: str | Path, image: str, spec: ContainerSpec | None = None,
-                 proxy: tuple[str, int] | None = None):
+                 proxy: tuple[str, int] | None = None, spares: Spares | None = None):
         super().__init__(trial_dir)
-        self.image, self.spec, self.proxy = image, spec or ContainerSpec(), proxy
+        self.image, self.spec, self.proxy, self.spares = image, spec or ContainerSpec(), proxy, spares
         config = image_config(image)
         self.workdir = self.spec.workdir or ((config.get("WorkingDir") or "/") if self.spec.needs_container else "/app")
         self.user = (config.get("User") or "root").split(":")[0]
@@ -100,12 +101,12 @@ class DockerSandbox(TrialDirs):
         self.compose_files: list[str] = []  # a task with a docker-compose.yaml: its project's files (compose.py)
 
     def start(self) -> None:
-        """A spare if one waits (agents/spares.py), else a container of its own; then a spare for the next."""
+        """A spare if one waits (spares.py), else a container of its own; then a spare for the next."""
         super().start()
-        if self.spare or self.spec.compose is not None:  # a compose project is not kept ahead
+        if self.spare or self.spares is None or self.spec.compose is not None:  # a compose project: none ahead
             return self._run()
         kind = (self.image, repr(self.spec), self.proxy, self.trial.parent)
-        spare = SPARES.take(kind)
+        spare = self.spares.take(kind)
         self.kind = kind
         if spare is not None and any(any((self.trial / name).iterdir()) for name in self.MOUNTED):
             spare.stop()  # a trial folder that holds files already (a rerun's) keeps them: no spare's folders
@@ -114,10 +115,11 @@ class DockerSandbox(TrialDirs):
             self._run()
         else:
             self._adopt(spare)
-        SPARES.refill(kind, self._start_spare)
+        self.spares.refill(kind, self._start_spare)
 
     def _start_spare(self) -> DockerSandbox:
-        box = DockerSandbox(self.trial.parent / ".spares" / uuid.uuid4().hex[:12], self.image, self.spec, self.proxy)
+        box = DockerSandbox(self.trial.parent / ".spares" / uuid.uuid4().hex[:12], self.image, self.spec, self.proxy,
+                            self.spares)
         box.spare = True
         try:
             box.start()
@@ -242,7 +244,7 @@ class DockerSandbox(TrialDirs):
     def _forward(self) -> None:
         """The proxy's port on the container's own loopback: a forwarder in its network namespace (entered from
         the host, so the image needs no Python) to a Unix socket the host splices to the proxy."""
-        from harness_trainer.agents.forwarder import SocketBridge, in_trial
+        from harness_trainer.sandboxes.forwarder import SocketBridge, in_trial
 
         host, port = self.proxy
         self.bridge = SocketBridge(None, host, port)
@@ -373,12 +375,14 @@ class DockerSandbox(TrialDirs):
         self._root(f"rm -rf '{inside}' && mkdir -p '{inside}' && chmod 777 '{inside}'")
 
     def stop(self) -> None:
-        """The container goes in the background (`SPARES.settle()` waits for it; the pool's close does): its
-        trial's record is whole already, and a removal is ~0.2 s the next rollout need not wait for."""
+        """With spares, in the background (`spares.settle()` waits; the provider's close does): its trial's record
+        is whole, and a removal is ~0.2 s the next rollout need not wait for. Without, at once."""
+        if self.spares is None:
+            return self._remove()
         if self.kind is not None:
-            SPARES.ended(self.kind, self._start_spare)
+            self.spares.ended(self.kind, self._start_spare)
             self.kind = None
-        SPARES.discard(self._remove)
+        self.spares.discard(self._remove)
 
     def _remove(self) -> None:
         if self.forwarder is not None:

@@ -2,13 +2,14 @@
 
     auto     (default) each task where it can run: a task with an image (environment/Dockerfile or
              docker_image) in a container, any other in a bubblewrap jail
-    local    bubblewrap (agents/sandbox.py): tasks that need an image are refused up front with the reason
-    docker   every task in a container (agents/containers.py); a task without an image gets images.DEFAULT_IMAGE
+    local    bubblewrap (bubblewrap.py): tasks that need an image are refused up front with the reason
+    docker   every task in a container (containers.py); a task without an image gets images.DEFAULT_IMAGE
     e2b      E2B's cloud (needs --public-url)
     harbor[:ENV]  any Harbor environment backend, through Harbor's own package
-    module:Class  a Sandbox of your own (agents/sandbox.py's protocol), made from a Trial
+    module:Class  a Sandbox of your own (base.py's protocol), made from a Trial
 
-The names are a registry (SANDBOXES: name -> maker), not a chain of ifs.
+The names are a registry (SANDBOXES: name -> maker), not a chain of ifs. A run's sandboxes come from one
+SandboxProvider (the kind, and what its trials share: the containers started ahead), closed by whoever made it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from harness_trainer._exceptions import SandboxError
-from harness_trainer.agents.containers import DockerSandbox
-from harness_trainer.agents.images import ContainerSpec, image_for, prepare_images, warn_once
-from harness_trainer.agents.sandbox import E2BSandbox, HarborSandbox, LocalSandbox, Sandbox
+from harness_trainer.choices import refused
+from harness_trainer.sandboxes.base import Sandbox
+from harness_trainer.sandboxes.bubblewrap import LocalSandbox
+from harness_trainer.sandboxes.containers import DockerSandbox
+from harness_trainer.sandboxes.images import ContainerSpec, image_for, prepare_images, warn_once
+from harness_trainer.sandboxes.remote import E2BSandbox, HarborSandbox
+from harness_trainer.sandboxes.spares import Spares
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Trial:
     task_dir: Path | None = None
     log_dir: Path | None = None
     arg: str = ""
+    spares: Spares | None = None  # the provider's containers started ahead (containers only)
 
 
 def _local(trial: Trial) -> Sandbox:
@@ -50,11 +56,11 @@ def _local(trial: Trial) -> Sandbox:
 
 def _docker(trial: Trial) -> Sandbox:
     return DockerSandbox(trial.trial_dir, image_for(trial.task, trial.spec, trial.log_dir), trial.spec,
-                         proxy=trial.proxy)
+                         proxy=trial.proxy, spares=trial.spares)
 
 
 # --sandbox NAME -> the maker of its sandbox; "auto" picks local or docker per task (kind_for). A name not here
-# may be `module:Class`: a class taking the Trial (the Sandbox protocol, agents/sandbox.py).
+# may be `module:Class`: a class taking the Trial (the Sandbox protocol, base.py).
 SANDBOXES: dict[str, Callable[[Trial], Sandbox]] = {
     "local": _local,
     "docker": _docker,
@@ -76,9 +82,9 @@ def sandbox_maker(kind: str) -> Callable[[Trial], Sandbox]:
             return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise SandboxError(f"--sandbox {kind}: cannot import {attr} from {module} ({exc})") from None
-    raise SandboxError(f"unknown sandbox '{kind}': choose {', '.join(KINDS)}, harbor:ENV (ENV: any Harbor "
-                       "environment type, e.g. docker, modal, daytona, or module:Class), or module:Class (a "
-                       "Sandbox of your own, made from a Trial)")
+    raise SandboxError(refused("--sandbox", kind, (*KINDS, "harbor:ENV", "module:Class"),
+                               hint=" (ENV: any Harbor environment type, e.g. docker, modal, daytona, or "
+                                    "module:Class; module:Class: a Sandbox of your own, made from a Trial)"))
 
 
 def check_kind(kind: str) -> None:
@@ -121,13 +127,40 @@ def proxy_address(proxy_url: str) -> tuple[str, int]:
 
 def make_sandbox(kind: str, trial_dir: Path, *, task: str = "", spec: ContainerSpec | None = None,
                  proxy_url: str | None = None, public_url: str | None = None, task_dir: Path | None = None,
-                 log_dir: Path | None = None) -> Sandbox:
+                 log_dir: Path | None = None, spares: Spares | None = None) -> Sandbox:
     """One trial's sandbox. `proxy_url`: the capture proxy the agent must reach (and the only thing it may)."""
     spec = spec or ContainerSpec()
     kind = kind_for(kind, spec)
     trial = Trial(trial_dir, task, spec, proxy_address(proxy_url) if proxy_url else None, public_url, task_dir,
-                  log_dir, arg=kind.partition(":")[2] if kind.partition(":")[0] in SANDBOXES else "")
+                  log_dir, arg=kind.partition(":")[2] if kind.partition(":")[0] in SANDBOXES else "", spares=spares)
     return sandbox_maker(kind)(trial)
+
+
+class SandboxProvider:
+    """The sandboxes of one run under `--sandbox kind`: each trial's made on demand, and what they share (the
+    containers started ahead, spares.py) owned here; `close()` removes those. Whoever made it closes it."""
+
+    def __init__(self, kind: str = "auto", *, public_url: str | None = None, log_dir: Path | None = None):
+        check_kind(kind)
+        self.kind, self.public_url, self.log_dir = kind, public_url, log_dir
+        self.spares = Spares()
+
+    def kind_for(self, spec: ContainerSpec) -> str:
+        return kind_for(self.kind, spec)
+
+    def make(self, trial_dir: Path, *, task: str = "", spec: ContainerSpec | None = None,
+             proxy_url: str | None = None, task_dir: Path | None = None) -> Sandbox:
+        return make_sandbox(self.kind, trial_dir, task=task, spec=spec, proxy_url=proxy_url,
+                            public_url=self.public_url, task_dir=task_dir, log_dir=self.log_dir, spares=self.spares)
+
+    def close(self) -> None:
+        self.spares.close()
+
+    def __enter__(self) -> SandboxProvider:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 DOWNLOADS = re.compile(r"\b(apt-get|apt|curl|wget|pip3? install|uvx?|npm (install|i)|npx)\b")
@@ -142,29 +175,30 @@ def _warn_users(sandbox: str, tasks: list) -> None:
                   f"container applies: under --sandbox {sandbox} every phase runs as the sandbox's own user")
 
 
-def check_task_sandboxes(cfg, tasks: list, log_dir: Path | None = None) -> list:
-    """A run's check before it starts anything (`cfg`: a RolloutConfig; `tasks`: rollouts' Task objects): the
+def check_task_sandboxes(kind: str, tasks: list, log_dir: Path | None = None, *, public_url: str | None = None,
+                         force_build: bool = False, skip_invalid: bool = False) -> list:
+    """A run's check before it starts anything (`tasks`: rollouts' Task objects) under `--sandbox kind`: the
     sandbox exists and can be made (credentials, daemon, URL), no task is refused, every image is built. A
     bubblewrap task whose verifier seems to download its tools is warned about: a jail has no internet, and a
-    verifier that cannot install its tools may well write 0. Returns the tasks to run: with --force-build each
-    task's Dockerfile is built even where it names a docker_image (set aside); with --skip-invalid-tasks a task
-    whose image could not be had is left out (named, with its build log)."""
-    check_kind(cfg.sandbox)
-    _warn_users(cfg.sandbox, tasks)
-    if cfg.force_build:
+    verifier that cannot install its tools may well write 0. Returns the tasks to run: with `force_build` each
+    task's Dockerfile is built even where it names a docker_image (set aside); with `skip_invalid` a task whose
+    image could not be had is left out (named, with its build log)."""
+    check_kind(kind)
+    _warn_users(kind, tasks)
+    if force_build:
         tasks = [dataclasses.replace(task, environment=dataclasses.replace(task.environment, image=None))
                  if task.environment.context is not None else task for task in tasks]
-    if cfg.sandbox.partition(":")[0] in ("e2b", "harbor"):  # remote: made once to raise with what is missing
-        make_sandbox(cfg.sandbox, Path("/nonexistent"), public_url=cfg.public_url)
+    if kind.partition(":")[0] in ("e2b", "harbor"):  # remote: made once to raise with what is missing
+        make_sandbox(kind, Path("/nonexistent"), public_url=public_url)
         return tasks
-    if cfg.sandbox not in KINDS:  # module:Class, your own: it is trusted to say what it needs when made
+    if kind not in KINDS:  # module:Class, your own: it is trusted to say what it needs when made
         return tasks
-    offline = [task.name for task in tasks if kind_for(cfg.sandbox, task.environment) == "local"
+    offline = [task.name for task in tasks if kind_for(kind, task.environment) == "local"
                and any(DOWNLOADS.search(test.read_text(errors="replace")) for test in task.path.glob("**/test.sh"))]
     if offline:
         print(f"harness-train: warning: the verifier of {len(offline)} task(s) seems to download tools "
               f"({', '.join(offline[:5])}{' ...' if len(offline) > 5 else ''}), but runs in bubblewrap, which has no "
               "internet: give such tasks an environment/Dockerfile (or --sandbox docker), or their rewards may be "
               "0s that say nothing", file=sys.stderr)
-    images = prepare(cfg.sandbox, {task.name: task.environment for task in tasks}, log_dir, cfg.skip_invalid_tasks)
-    return [task for task in tasks if kind_for(cfg.sandbox, task.environment) != "docker" or task.name in images]
+    images = prepare(kind, {task.name: task.environment for task in tasks}, log_dir, skip_invalid)
+    return [task for task in tasks if kind_for(kind, task.environment) != "docker" or task.name in images]

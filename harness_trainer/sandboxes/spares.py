@@ -7,9 +7,10 @@ For a hot kind, spares are kept for the trials that could start now: as many as 
 running. A kind that comes back only each epoch (a task's own image, once per group) is not hot: a spare would
 wait past IDLE_S for nothing. A spare is a container no trial has touched, used by one trial only; its /logs
 and /home folders are moved into that trial's folder (a bind mount follows its folder), so the trial's record is
-where it always was. A spare waiting longer than IDLE_S is removed, and all of them when the run ends (`close`,
-also at exit); after a SIGKILL their forwarders remove them, as a trial's container is. A trial's container,
-once stopped, is removed in the background too (`discard`); `settle` waits for those removals, `close` as well.
+where it always was. A spare waiting longer than IDLE_S is removed, and all of them when the run ends (`close`:
+the sandbox provider that owns them closes it, registry.py; else at exit); after a SIGKILL their forwarders remove
+them, as a trial's container is. A trial's container, once stopped, is removed in the background too
+(`discard`); `settle` waits for those removals, `close` as well.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Spares:
         self.starters: ThreadPoolExecutor | None = None
         self.removers = ThreadPoolExecutor(STARTERS, thread_name_prefix="container-removal")
         self.removals: set[Future] = set()
+        atexit.register(self.close)  # an interpreter that exits without its provider's close leaves none behind
 
     def take(self, kind: Hashable):
         """A trial of `kind` starts: a spare for it (the longest waiting), or None."""
@@ -118,6 +120,7 @@ class Spares:
 
     def close(self) -> None:
         """Remove every spare, once those being started are up (the run ends: none will be taken)."""
+        atexit.unregister(self.close)
         with self.lock:
             starters, self.starters = self.starters, None
         if starters is not None:
@@ -131,6 +134,3 @@ class Spares:
             spare.stop()
         self.settle()
 
-
-SPARES = Spares()
-atexit.register(SPARES.close)

@@ -1,5 +1,5 @@
 """Task environments as Harbor builds them, in Docker: one image per task (its environment/ folder as the build
-context of its Dockerfile, or its docker_image); a container per trial runs it (agents/containers.py).
+context of its Dockerfile, or its docker_image); a container per trial runs it (containers.py).
 
 Images are tagged by the digest of their build context (`harness-task/NAME:DIGEST`), so a task is built once
 and every rollout and later run reuses it until a file of its environment/ changes. `prepare_images` builds
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_trainer._exceptions import BuildError, SandboxError
-from harness_trainer.agents import compose
+from harness_trainer.sandboxes import compose
 
 DEFAULT_IMAGE = "python:3.11-slim"  # for a task with no image of its own run under --sandbox docker
 LABEL = "harness-trainer.owner"  # every trial container carries its run's pid: orphans are found by it

@@ -13,7 +13,7 @@ session's key on every call, and its admin routes for the admin key, which no tr
 The in-trial half runs once per trial exec (bound read-only into the jail, or in a container's network namespace
 through nsenter). It is forwarder.c, compiled once per version into the cache where a C compiler is found (~0.3 MB
 and ~1 ms to start); else this file, run as a script by the host's Python (~6 MB, ~30 ms): stdlib only, nothing
-of the project imported. Both take the same arguments and behave alike (tests/agents/test_forwarder.py):
+of the project imported. Both take the same arguments and behave alike (tests/sandboxes/test_forwarder.py):
 
     forwarder --port PORT --socket PATH --watch PID [--background]
     python forwarder.py --port PORT --socket PATH --watch PID [--background]
