@@ -37,7 +37,7 @@ from harness_trainer.sandboxes.bubblewrap import LocalSandbox  # noqa: E402
 from harness_trainer.sandboxes.containers import DockerSandbox  # noqa: E402
 from harness_trainer.sandboxes.forwarder import SocketBridge  # noqa: E402
 from harness_trainer.sandboxes.images import _cached_digest, context_digest, image_for  # noqa: E402
-from harness_trainer.sandboxes.spares import SPARES  # noqa: E402
+from harness_trainer.sandboxes.spares import Spares  # noqa: E402
 
 
 def trial(make) -> dict[str, float]:
@@ -69,17 +69,18 @@ def main() -> None:
     # A cold container: each trial a kind of its own (its own run folder), so no spare is ever started for it.
     # A spare: one run folder, so the kind is hot from the second trial on and each trial takes the spare that
     # the one before asked for as it ended (started in the background while the other kinds ran).
+    spares = Spares()  # a run's sandbox provider owns these; here the bench does (removals in the background too)
     kinds = {"bubblewrap": lambda i: LocalSandbox(root / f"local-{i}", proxy=("127.0.0.1", 18181)),
              "container": lambda i: DockerSandbox(root / f"cold-{i}" / "trial", image, task.environment,
-                                                  proxy=("127.0.0.1", 18181)),
+                                                  proxy=("127.0.0.1", 18181), spares=spares),
              "container, spare": lambda i: DockerSandbox(root / "spare" / f"trial-{i}", image, task.environment,
-                                                         proxy=("127.0.0.1", 18181))}
+                                                         proxy=("127.0.0.1", 18181), spares=spares)}
     results = {name: [] for name in kinds}
     for i in range(args.trials + 2):  # interleaved: the machine's noise falls on all alike
         for name, make in kinds.items():
             results[name].append(trial(partial(make, i)))
     results = {name: runs[2:] for name, runs in results.items()}  # the spare kind is hot from the third on
-    SPARES.close()
+    spares.close()
     took = sum(r["spare"] for r in results["container, spare"])
     print(f"{'sandbox':<17} {'start s':>8} {'exec s':>8} {'stop s':>8} {'total s':>8}   (medians of {args.trials}; "
           f"{took} of {args.trials} took a spare)")
@@ -193,7 +194,8 @@ def rollouts_per_minute(rounds: int, root: Path) -> None:
                     seconds[name] += time.perf_counter() - started
                     done[name] += len(records)
                 assert all(r.status in ("ok", "timeout") for r in records), [(r.status, r.reason) for r in records]
-        SPARES.close()
+        for factory in factories.values():
+            factory.close()  # each made its sandbox provider from the kind's name: its spares go
     rates = {name: done[name] / seconds[name] * 60 for name in seconds}
     print(f"\nrollouts/min of the tiny model through mini-swe-agent (compact), {rounds} rounds of {len(tasks)} "
           "at once:")
