@@ -123,8 +123,7 @@ class HarnessAsyncGRPOTrainer:
         if not self.tasks:
             raise ConfigError("train_dataset is empty: give at least one task")
         self.reward_fn, self.reward_funcs = resolve_rewards(rollout_reward_fn, reward_funcs)
-        self.make_rollouts = rollouts
-        self.own_teacher = teacher is None  # one passed in is its maker's to close
+        self.make_rollouts, self.own_teacher = rollouts, teacher is None  # a teacher passed in: its maker closes it
         self.teacher = teacher or self._teacher()
         self.out = Path(args.output_dir)
         self.sync = sync or PolicySync(self.policy, args, getattr(self.factory, "proxy", None), backend,
@@ -239,7 +238,8 @@ class HarnessAsyncGRPOTrainer:
             self.sync.close()
             if self.teacher is not None and self.own_teacher:
                 self.teacher.close()
-            self.factory.close()  # made here from its maker: what its sessions shared (containers started ahead)
+            if (close := getattr(self.factory, "close", None)) is not None:  # one of your own may have none
+                close()  # the factory it made: what its sessions shared (containers started ahead)
 
     def _follow(self) -> list[dict]:
         """Ranks > 0: take rank 0's groups and step in lockstep with it until it says stop; join the collectives
